@@ -1,0 +1,2 @@
+"""arealcli: declarative RL and SFT training for language models."""
+__version__ = "0.1.0"
