@@ -1,2 +1,3 @@
 """arealcli: declarative RL and SFT training for language models."""
+
 __version__ = "0.1.0"

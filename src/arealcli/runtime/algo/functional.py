@@ -1,0 +1,422 @@
+"""The RL math as plain torch functions: rewards, KL, advantages, normalization, losses.
+
+Conventions (see /shared/ALGORITHMS.md for the reference formulas):
+
+- B = batch rows (sequences), T = padded response length, N = number of sequences (flat), V = vocab.
+- Token-level tensors are right-padded `(B, T)`. `mask (B, T)` (bool or 0/1 float) is 1 on the valid
+  response tokens, contiguous from the left, then 0. Padding positions may hold any finite value:
+  every function ignores them and writes 0 there.
+- `logp` = current policy, `old_logp` = behaviour policy (generated the data), `ref_logp` = frozen
+  reference, `prox_logp` = policy recomputed just before the update (decoupled / off-policy PPO).
+- Every masked average is 0, not NaN, when nothing is valid, and keeps the autograd graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+AGGREGATION_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3")
+
+
+# ----------------------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """mean(x) over positions where mask = 1: sum(x * mask) / sum(mask); 0 where sum(mask) = 0.
+
+    dim=None reduces everything to a scalar; an int reduces only that dimension.
+    """
+    mask = mask.to(x.dtype)
+    total = (x * mask).sum() if dim is None else (x * mask).sum(dim)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    # Divide by 1 where nothing is valid: the numerator is 0 there, so the result is 0 (and so is
+    # its gradient), never 0/0 = NaN.
+    return total / torch.where(count > 0, count, torch.ones_like(count))
+
+
+def masked_normalize(
+    x: Tensor,  # (B, T)
+    mask: Tensor,  # (B, T)
+    subtract_mean: bool = True,
+    divide_std: bool = True,
+    eps: float = 1e-5,
+) -> Tensor:  # (B, T)
+    """(x - mean) / (std + eps) over all valid tokens of the batch; padding stays 0.
+
+    mean and std (population std, unbiased=False) are taken over every valid token of `x`, whichever
+    of the two steps is enabled.
+    """
+    mean = masked_mean(x, mask)  # ()
+    std = masked_mean((x - mean) ** 2, mask).sqrt()  # ()
+    out = x - mean if subtract_mean else x
+    if divide_std:
+        out = out / (std + eps)
+    return out * mask.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- rewards and KL
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3), elementwise.
+
+    log r = logp - ref_logp
+    k1 = log r                          (unbiased, can be negative)
+    k2 = (log r)^2 / 2                  (biased, >= 0, low variance)
+    k3 = exp(-log r) - 1 + log r        (unbiased, >= 0); log r clamped to [-10, 10] first so
+                                         exp() cannot overflow.
+    """
+    log_r = logp - ref_logp
+    if kind == "k1":
+        return log_r
+    if kind == "k2":
+        return log_r.pow(2) / 2
+    if kind == "k3":
+        log_r = log_r.clamp(-10.0, 10.0)
+        return torch.exp(-log_r) - 1 + log_r
+    raise ValueError(f"unknown KL estimator kind {kind!r}; expected one of {KL_KINDS}")
+
+
+def shape_scores(
+    scores: Tensor,  # (B,)
+    bias: float = 0.0,
+    scale: float = 1.0,
+    max_abs: float = 5.0,
+) -> Tensor:  # (B,)
+    """Reward shaping: clip((score - bias) * scale, -max_abs, +max_abs).
+
+    Sign convention: the bias is SUBTRACTED (bias=0.5 maps a 0/1 verifier score to -0.5/+0.5 before
+    scaling). The newer reference system adds its bias instead; negate it when porting a config.
+    """
+    return ((scores - bias) * scale).clamp(-max_abs, max_abs)
+
+
+def overlong_penalty(
+    response_lengths: Tensor,  # (B,)
+    max_new_tokens: int,
+    overlong_tokens: int,
+    penalty_factor: float,
+) -> Tensor:  # (B,)
+    """DAPO soft overlong punishment: a linear penalty over the last `overlong_tokens` before the limit.
+
+    free = max_new_tokens - overlong_tokens
+    penalty = 0                                                   if len <= free
+            = -penalty_factor * (len - free) / overlong_tokens    otherwise (-penalty_factor at the limit)
+    """
+    if overlong_tokens <= 0:
+        raise ValueError(
+            f"overlong_tokens must be > 0 (got {overlong_tokens}); skip the penalty to disable it"
+        )
+    free = max_new_tokens - overlong_tokens
+    lengths = response_lengths if response_lengths.is_floating_point() else response_lengths.float()
+    excess = (lengths - free).clamp(min=0)  # (B,) tokens into the penalty window
+    return -penalty_factor * excess / overlong_tokens
+
+
+def token_rewards(
+    scores: Tensor,  # (B,)
+    mask: Tensor,  # (B, T)
+    kl: Tensor | None,  # (B, T)
+    kl_coef: float,
+) -> Tensor:  # (B, T)
+    """Per-token rewards for classic PPO with KL in the reward.
+
+    r_t = -kl_coef * kl_t                on valid tokens (0 on padding)
+    r_last += score                      at the last valid token of each row
+    A row with no valid token gets all zeros (its score is dropped).
+    """
+    B, T = mask.shape
+    valid = mask.bool()  # (B, T)
+    rewards = torch.zeros(B, T, dtype=scores.dtype, device=scores.device)
+    if kl is not None:
+        rewards = torch.where(valid, -kl_coef * kl.to(scores.dtype), rewards)
+    positions = torch.arange(T, device=mask.device)  # (T,)
+    last = (positions * valid).argmax(-1)  # (B,) index of the last valid token (0 if none)
+    at_last = (positions == last[:, None]) & valid.any(-1, keepdim=True)  # (B, T)
+    return rewards + at_last * scores[:, None]
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def gae(
+    rewards: Tensor,  # (B, T)
+    values: Tensor,  # (B, T)
+    mask: Tensor,  # (B, T)
+    bootstrap: Tensor,  # (B,)
+    gamma: float,
+    lam: float,
+) -> tuple[Tensor, Tensor]:  # advantages (B, T), returns (B, T)
+    """Generalized advantage estimation, vectorized over rows, one reverse pass over T.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t
+    A_t     = delta_t + gamma * lam * A_{t+1}
+    V after the last valid token is bootstrap[b] (0 for a sequence that ended with EOS, the critic's
+    value for a truncated one) and A after it is 0. returns = A + V. Both are 0 on padding.
+    With V = 0 and gamma = lam = 1, A_t = sum of rewards from t on (+ bootstrap).
+    """
+    valid = mask.bool()  # (B, T)
+    next_value = bootstrap.to(values.dtype)  # (B,) V_{t+1}
+    next_adv = torch.zeros_like(next_value)  # (B,) A_{t+1}
+    advantages = [next_adv] * rewards.shape[1]
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        adv = delta + gamma * lam * next_adv  # (B,)
+        # On padding keep carrying the bootstrap value and A = 0 back to the last valid token.
+        advantages[t] = torch.where(valid[:, t], adv, torch.zeros_like(adv))
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = advantages[t]
+    adv = torch.stack(advantages, dim=1)  # (B, T)
+    returns = torch.where(valid, adv + values, torch.zeros_like(adv))  # (B, T)
+    return adv, returns
+
+
+def group_normalize(
+    scores: Tensor,  # (N,)
+    group_ids: Tensor,  # (N,) long, any values; equal id = responses to the same prompt
+    subtract_mean: bool = True,
+    divide_std: bool = True,
+    leave_one_out: bool = False,
+    eps: float = 1e-5,
+) -> Tensor:  # (N,)
+    """Per-group normalization of sequence scores (GRPO and its variants).
+
+    GRPO:     (s_i - mean_g) / (std_g + eps)           std = population std (unbiased=False)
+    Dr.GRPO:  s_i - mean_g                             subtract_mean=True, divide_std=False
+    RLOO:     s_i - mean of the OTHER members of g     leave_one_out=True (a group of size 1 -> 0)
+    A group whose scores are all identical (including a group of one) gets exactly 0 whenever a
+    baseline is subtracted -- not a rounding residue divided by eps, and never NaN.
+    """
+    if leave_one_out and not subtract_mean:
+        raise ValueError("leave_one_out=True replaces the group-mean baseline; it needs subtract_mean=True")
+    groups, inverse = torch.unique(group_ids, return_inverse=True)  # inverse (N,): group index 0..G-1
+    G = groups.numel()
+
+    def group_sum(x: Tensor) -> Tensor:  # (N,) -> (G,)
+        return scores.new_zeros(G).index_add(0, inverse, x)
+
+    count = group_sum(torch.ones_like(scores))  # (G,)
+    total = group_sum(scores)  # (G,)
+    mean = (total / count)[inverse]  # (N,)
+    std = (group_sum((scores - mean) ** 2) / count).sqrt()[inverse]  # (N,)
+
+    out = scores
+    if leave_one_out:
+        others = (count[inverse] - 1).clamp(min=1)  # (N,)
+        out = scores - (total[inverse] - scores) / others
+    elif subtract_mean:
+        out = scores - mean
+    if divide_std:
+        out = out / (std + eps)
+    if subtract_mean:
+        group_min = scores.new_zeros(G).scatter_reduce(0, inverse, scores, "amin", include_self=False)
+        group_max = scores.new_zeros(G).scatter_reduce(0, inverse, scores, "amax", include_self=False)
+        constant = (group_min == group_max)[inverse]  # (N,)
+        out = torch.where(constant, torch.zeros_like(out), out)
+    return out
+
+
+def dynamic_sampling_mask(
+    scores: Tensor,  # (N,) in [0, 1], e.g. 1 = correct
+    group_ids: Tensor,  # (N,) long
+    lower: float = 0.0,
+    upper: float = 1.0,
+) -> Tensor:  # (N,) bool
+    """DAPO dynamic sampling: keep the samples of groups whose mean score r has lower < r < upper.
+
+    With the defaults, all-correct (r = 1) and all-wrong (r = 0) groups -- which carry no GRPO signal --
+    are dropped. The caller refills the batch.
+    """
+    groups, inverse = torch.unique(group_ids, return_inverse=True)  # inverse (N,): group index 0..G-1
+    scores = scores if scores.is_floating_point() else scores.float()
+    total = scores.new_zeros(groups.numel()).index_add(0, inverse, scores)  # (G,)
+    count = scores.new_zeros(groups.numel()).index_add(0, inverse, torch.ones_like(scores))  # (G,)
+    rate = total / count  # (G,)
+    return ((rate > lower) & (rate < upper))[inverse]
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def aggregate_loss(
+    loss_tokens: Tensor,  # (B, T)
+    mask: Tensor,  # (B, T)
+    mode: str,
+    max_len: int | None = None,
+) -> Tensor:  # ()
+    """Reduce per-token losses to a scalar.
+
+    token-mean               sum(L * mask) / sum(mask)
+    seq-mean-token-mean      mean over rows with >= 1 valid token of (row's masked mean)
+    seq-mean-token-sum-norm  sum(L * mask) / (B * max_len)    (Dr.GRPO; max_len defaults to T, and B
+                             counts every row so the normalizer is a constant)
+    An all-zero mask gives 0 (not NaN) that is still connected to the graph.
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_tokens, mask)
+    if mode == "seq-mean-token-mean":
+        row_mean = masked_mean(loss_tokens, mask, dim=-1)  # (B,)
+        row_valid = mask.bool().any(-1)  # (B,)
+        return masked_mean(row_mean, row_valid)
+    if mode == "seq-mean-token-sum-norm":
+        B, T = loss_tokens.shape
+        return (loss_tokens * mask.to(loss_tokens.dtype)).sum() / (B * (T if max_len is None else max_len))
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATION_MODES}")
+
+
+def ppo_actor_loss(
+    logp: Tensor,  # (B, T) current policy; the only input that receives gradients
+    old_logp: Tensor,  # (B, T) behaviour policy
+    advantages: Tensor,  # (B, T)
+    mask: Tensor,  # (B, T)
+    eps_clip: float = 0.2,
+    eps_clip_higher: float | None = None,
+    c_clip: float | None = None,
+    prox_logp: Tensor | None = None,  # (B, T) decoupled PPO only
+    behav_imp_weight_cap: float | None = None,
+    aggregation: str = "token-mean",
+    max_len: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped PPO policy loss, with DAPO clip-higher, dual clip and AReaL's decoupled objective.
+
+    denom = prox_logp if given (decoupled) else old_logp
+    ratio = exp(logp - denom)
+    L     = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_higher))   [higher = eps_clip]
+    dual clip (c_clip > 1), for A < 0:  L = min(L, c_clip * |A|)
+    decoupled: w = exp(prox_logp - old_logp) (no grad); tokens with w > behav_imp_weight_cap are
+               dropped from the mask; L = L * w
+    loss  = aggregate_loss(L, mask, aggregation, max_len)
+
+    stats (detached scalars over the tokens that count for the loss):
+      approx_kl      0.5 * mean((logp - denom)^2)   (the k2 estimator: >= 0, low variance)
+      clip_frac      fraction of tokens where the clipped term is the larger one (its gradient is 0)
+      dual_clip_frac fraction of tokens capped by the dual clip
+      ratio_mean, ratio_max, and behav_imp_weight_mean when decoupled.
+    """
+    if c_clip is not None and c_clip <= 1:
+        raise ValueError(f"c_clip must be > 1 for dual-clip PPO (got {c_clip}); use None to disable it")
+    eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
+    advantages = advantages.detach()
+    old_logp = old_logp.detach()
+    denom = old_logp if prox_logp is None else prox_logp.detach()
+    valid = mask.bool()  # (B, T)
+
+    log_ratio = logp - denom  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T)
+    loss_unclipped = -advantages * ratio  # (B, T)
+    loss_clipped = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_high)  # (B, T)
+    loss = torch.maximum(loss_unclipped, loss_clipped)  # (B, T) pessimistic of the two
+    clipped = loss_clipped > loss_unclipped  # (B, T)
+
+    dual_clipped = torch.zeros_like(valid)
+    if c_clip is not None:
+        cap = c_clip * advantages.abs()  # (B, T)
+        dual_clipped = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual_clipped, cap, loss)
+
+    stats: dict[str, Tensor] = {}
+    if prox_logp is not None:
+        behav_weight = torch.exp(denom - old_logp)  # (B, T) w = pi_prox / pi_behav, no grad
+        if behav_imp_weight_cap is not None:
+            valid = valid & (behav_weight <= behav_imp_weight_cap)
+        loss = loss * behav_weight
+        stats["behav_imp_weight_mean"] = masked_mean(behav_weight, valid)
+
+    total = aggregate_loss(loss, valid, aggregation, max_len)
+    with torch.no_grad():
+        stats["approx_kl"] = 0.5 * masked_mean(log_ratio.detach() ** 2, valid)
+        stats["clip_frac"] = masked_mean(clipped.float(), valid)
+        stats["dual_clip_frac"] = masked_mean(dual_clipped.float(), valid)
+        stats["ratio_mean"] = masked_mean(ratio.detach(), valid)
+        stats["ratio_max"] = torch.where(valid, ratio.detach(), 0.0).max()  # ratio > 0; 0 if none valid
+    return total, {k: v.detach() for k, v in stats.items()}
+
+
+def critic_loss(
+    values: Tensor,  # (B, T) current critic; the only input that receives gradients
+    old_values: Tensor,  # (B, T) critic at rollout time
+    returns: Tensor,  # (B, T)
+    mask: Tensor,  # (B, T)
+    value_eps_clip: float | None = 0.2,
+    aggregation: str = "token-mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss (PPO2-style).
+
+    v_clip = v_old + clip(v - v_old, -value_eps_clip, +value_eps_clip)
+    L      = max((v - R)^2, (v_clip - R)^2) / 2          (value_eps_clip=None: L = (v - R)^2 / 2)
+    stats: value_clip_frac (tokens where the clipped term is larger), value_mean, return_mean.
+    """
+    old_values = old_values.detach()
+    returns = returns.detach()
+    loss_unclipped = (values - returns) ** 2  # (B, T)
+    loss = loss_unclipped
+    clipped = torch.zeros_like(mask, dtype=torch.bool)
+    if value_eps_clip is not None:
+        v_clip = old_values + (values - old_values).clamp(-value_eps_clip, value_eps_clip)  # (B, T)
+        loss_clipped = (v_clip - returns) ** 2  # (B, T)
+        loss = torch.maximum(loss_unclipped, loss_clipped)
+        clipped = loss_clipped > loss_unclipped
+    total = aggregate_loss(loss / 2, mask, aggregation)
+    with torch.no_grad():
+        stats = {
+            "value_clip_frac": masked_mean(clipped.float(), mask),
+            "value_mean": masked_mean(values.detach(), mask),
+            "return_mean": masked_mean(returns, mask),
+        }
+    return total, stats
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:  # (..., V) -> (...)
+    """H = -sum_v p_v * log p_v, with log p from log_softmax (stable for large logits).
+
+    -inf logits (masked vocabulary) contribute 0: log p is clamped to the dtype's minimum so the
+    0 * -inf = NaN product never happens, in the forward or the backward pass.
+    """
+    logp = torch.log_softmax(logits, dim=-1)  # (..., V)
+    return -(logp.exp() * logp.clamp(min=torch.finfo(logp.dtype).min)).sum(-1)
+
+
+# ----------------------------------------------------------------------------- KL controllers
+
+
+class FixedKLController:
+    """A constant KL coefficient; `update` is a no-op."""
+
+    def __init__(self, value: float):
+        self.value = float(value)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019) steering the measured KL toward `target`.
+
+    err   = clip(current_kl / target - 1, -0.2, 0.2)
+    value = value * (1 + err * n_steps / horizon)
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be > 0 (got target={target}, horizon={horizon})")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        err = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.value *= 1 + err * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])

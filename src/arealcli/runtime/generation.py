@@ -1,0 +1,98 @@
+"""Autoregressive sampling with a KV cache over a transformers causal LM.
+
+Prompts are left-padded into one (B, P) batch; each step feeds only the new token and reuses the cache.
+Returns, per sample, the generated ids, the log-prob of each under the sampling distribution
+(temperature, top-k, top-p applied), and whether it stopped without an end token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from arealcli.schema.components.engine import GenerationHyperparameters
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[list[int]]
+    logprobs: list[list[float]]
+    no_eos: list[bool]
+
+
+def process_logits(logits: torch.Tensor, g: GenerationHyperparameters) -> torch.Tensor:
+    """(B, V) raw logits -> the logits actually sampled from."""
+    if g.greedy:
+        return logits
+    logits = logits / g.temperature
+    if g.top_k > 0 and g.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, g.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if g.top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token once the mass before it already reaches top_p (always keep the first)
+        drop = probs.cumsum(-1) - probs >= g.top_p
+        logits = logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, g: GenerationHyperparameters) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) -> next tokens (B,) and their log-probs (B,)."""
+    logits = process_logits(logits.float(), g)
+    logp = torch.log_softmax(logits, dim=-1)
+    token = logits.argmax(-1) if g.greedy else torch.multinomial(logp.exp(), 1).squeeze(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    module, prompts: list[list[int]], g: GenerationHyperparameters, eos_ids: set[int], pad_id: int, device
+) -> GenerationResult:
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    ids = torch.full((B, P), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros(B, P, dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p) :] = torch.tensor(p, device=device)
+        attn[i, P - len(p) :] = 1
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    stop = torch.tensor(sorted(eos_ids | set(g.stop_token_ids)), device=device)
+    out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1]
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, logps = [], []
+    for t in range(g.max_new_tokens):
+        logits = logits.float()
+        if t < g.min_new_tokens:
+            logits[:, stop] = float("-inf")
+        token, logp = sample(logits, g)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        tokens.append(token)
+        logps.append(logp)
+        finished = finished | torch.isin(token, stop)
+        if bool(finished.all()) or t == g.max_new_tokens - 1:
+            break
+        attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
+        pos = pos[:, -1:] + 1
+        out = module(
+            input_ids=token[:, None],
+            attention_mask=attn,
+            position_ids=pos,
+            past_key_values=past,
+            use_cache=True,
+        )
+        past, logits = out.past_key_values, out.logits[:, -1]
+    gen = torch.stack(tokens, 1).cpu()  # (B, T)
+    lp = torch.stack(logps, 1).float().cpu()
+    stop_cpu = set(stop.tolist())
+    result = GenerationResult([], [], [])
+    for i in range(B):
+        row = gen[i].tolist()
+        end = next((j for j, tok in enumerate(row) if tok in stop_cpu), None)
+        n = len(row) if end is None else end + 1
+        result.output_ids.append(row[:n])
+        result.logprobs.append(lp[i, :n].tolist())
+        result.no_eos.append(end is None)
+    return result

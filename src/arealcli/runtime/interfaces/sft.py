@@ -1,0 +1,84 @@
+"""Supervised fine-tuning: next-token negative log-likelihood over answer tokens."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.interfaces.base import ModelInterface
+from arealcli.runtime.model import Model
+from arealcli.schema.components.engine import MicroBatchSpec
+from arealcli.schema.components.interfaces import SFTArgs
+
+
+def answer_token_mask(mb: SequenceSample) -> torch.Tensor:
+    """(tokens,) bool: True where the *next* token is an answer token (the positions that predict it).
+
+    Position t of a sequence predicts token t+1; the last position of each sequence predicts nothing.
+    """
+    prompt_mask = mb.data["prompt_mask"].bool()
+    target_is_answer = torch.roll(~prompt_mask, shifts=-1)  # (tokens,)
+    ends = mb.cu_seqlens("packed_input_ids")[1:] - 1
+    target_is_answer[ends] = False
+    return target_is_answer
+
+
+def num_answer_tokens(mb: SequenceSample) -> int:
+    return int(answer_token_mask(mb).sum())
+
+
+def token_nll(logits: torch.Tensor, mb: SequenceSample) -> tuple[torch.Tensor, torch.Tensor]:
+    """-log p(x_{t+1} | x_<=t) at every position (tokens,), and the answer-token mask (tokens,)."""
+    ids = mb.data["packed_input_ids"].to(logits.device)
+    targets = torch.roll(ids, shifts=-1)  # (tokens,) next token at every position
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    return -logp, answer_token_mask(mb).to(logits.device)
+
+
+def sft_loss(logits: torch.Tensor, mb: SequenceSample) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean NLL over the micro-batch's answer tokens; logits (tokens, V)."""
+    nll, mask = token_nll(logits, mb)
+    loss = (nll * mask).sum() / mask.sum().clamp(min=1)
+    return loss, {"n_tokens": mask.sum().float()}
+
+
+def per_sample_nll(logits: torch.Tensor, mb: SequenceSample) -> list[torch.Tensor]:
+    """[summed answer NLL, answer tokens] for each sample of the micro-batch."""
+    nll, mask = token_nll(logits, mb)
+    lens = mb.seqlens["packed_input_ids"]
+    return [
+        torch.stack([(n * m).sum(), m.sum().float()])
+        for n, m in zip(nll.split(lens), mask.split(lens), strict=True)
+    ]
+
+
+class SFTInterface(ModelInterface):
+    """Supervised fine-tuning: next-token NLL over answer tokens."""
+
+    Args = SFTArgs
+
+    def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> dict[str, float]:
+        stats = model.module.train_batch(
+            data,
+            mb_spec,
+            loss_fn=sft_loss,
+            loss_weight_fn=num_answer_tokens,
+            version_steps=model.version.global_step,
+            token_normalize_scope=self.args.token_normalize_scope,
+        )
+        stats["ppl"] = math.exp(min(stats["loss"], 50.0))
+        model.inc_version()
+        return stats
+
+    def evaluate(self, model: Model, loader) -> dict[str, float]:
+        nll_sum, n_tokens = 0.0, 0.0
+        for batch in loader:
+            out = model.module.forward(
+                batch, MicroBatchSpec(), post_hook=per_sample_nll, aggregate_fn=torch.stack
+            )
+            nll_sum += float(out[:, 0].sum())
+            n_tokens += float(out[:, 1].sum())
+        nll = nll_sum / max(n_tokens, 1.0)
+        return {"nll": nll, "ppl": math.exp(min(nll, 50.0))}

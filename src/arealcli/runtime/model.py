@@ -1,0 +1,88 @@
+"""`Model`: a named module plus its tokenizer and version; and how models are built from a recipe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from arealcli.schema.recipe import ModelArchConfig, ModelSpec
+
+
+@dataclass
+class ModelVersion:
+    epoch: int = 0
+    epoch_step: int = 0
+    global_step: int = 0
+
+
+@dataclass
+class FinetuneSpec:
+    """What a backend needs to know about the run to size its LR schedule."""
+
+    total_train_epochs: int
+    dataset_size: int
+    train_batch_size: int
+    total_train_steps: int
+
+
+@dataclass
+class Model:
+    """A model of the run. `module` is the raw torch module until a backend turns it into an engine."""
+
+    name: str
+    module: Any
+    tokenizer: Any
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.float32
+    version: ModelVersion = field(default_factory=ModelVersion)
+    backend: Any = None
+
+    def inc_version(self) -> None:
+        self.version.global_step += 1
+        self.version.epoch_step += 1
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hf_config_from_arch(arch: ModelArchConfig, tokenizer) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch.family]
+    return cls(
+        vocab_size=len(tokenizer),
+        hidden_size=arch.hidden_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        intermediate_size=arch.intermediate_size,
+        max_position_embeddings=arch.max_position_embeddings,
+        rope_theta=arch.rope_theta,
+        tie_word_embeddings=arch.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=getattr(tokenizer, "bos_token_id", None),
+    )
+
+
+def build_module(spec: ModelSpec, tokenizer, seed: int, source_module=None):
+    """The transformers module of one model spec (fp32, on CPU; the backend moves and casts it)."""
+    from transformers import AutoModelForCausalLM
+
+    if spec.init_from is not None:
+        import copy
+
+        module = copy.deepcopy(source_module)
+    elif spec.path is not None:
+        module = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            module = AutoModelForCausalLM.from_config(hf_config_from_arch(spec.config, tokenizer))
+    if spec.value_head:
+        from arealcli.runtime.value_head import with_value_head
+
+        module = with_value_head(module, seed)
+    return module

@@ -1,0 +1,56 @@
+"""Registration and construction of interfaces, backends and datasets.
+
+The registries themselves live in `arealcli.schema.registry` (so `areal check` can validate arguments
+without importing torch); this module adds the runtime side: building instances from recipe specs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arealcli.schema.base import Abstraction
+from arealcli.schema.registry import (
+    BACKENDS,
+    DATASETS,
+    INTERFACES,
+    REWARDS,
+    register_backend,
+    register_dataset,
+    register_interface,
+    register_reward,
+)
+
+__all__ = [
+    "register_interface",
+    "register_backend",
+    "register_dataset",
+    "register_reward",
+    "make_interface",
+    "make_backend",
+    "make_dataset",
+    "get_reward",
+]
+
+
+def _typed_args(entry, spec: Abstraction):
+    args = spec.args
+    return args if isinstance(args, entry.args_model) else entry.args_model.model_validate(args or {})
+
+
+def make_interface(spec: Abstraction):
+    entry = INTERFACES.get(spec.type_)
+    return entry.load()(_typed_args(entry, spec))
+
+
+def make_backend(spec: Abstraction):
+    entry = BACKENDS.get(spec.type_)
+    return entry.load()(_typed_args(entry, spec))
+
+
+def make_dataset(spec: Abstraction, tokenizer, base_dir: str = ".") -> Any:
+    entry = DATASETS.get(spec.type_)
+    return entry.load()(_typed_args(entry, spec), tokenizer, base_dir)
+
+
+def get_reward(name: str):
+    return REWARDS.get(name).load()

@@ -1,0 +1,42 @@
+"""Tokenizers: a local HF directory, or a built-in character-level tokenizer that needs no download.
+
+The character tokenizer is a real `PreTrainedTokenizerFast` (saved with the model, it loads with
+`AutoTokenizer.from_pretrained`): one token per printable ASCII character plus newline, and the special
+tokens <pad> (id 0), <eos>, <unk>.
+"""
+
+from __future__ import annotations
+
+import string
+
+from arealcli.schema.recipe import TokenizerSpec
+
+CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
+SPECIALS = ["<pad>", "<eos>", "<unk>"]
+
+
+def char_tokenizer():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    # BPE without merges splits every string into single characters.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def load_tokenizer(spec: TokenizerSpec | None, fallback_path: str | None):
+    from transformers import AutoTokenizer
+
+    if spec is not None and spec.kind == "char":
+        return char_tokenizer()
+    path = spec.path if spec is not None else fallback_path
+    if path is None:
+        raise ValueError("no tokenizer: set `tokenizer:` in the recipe or give a model a `path`")
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -1,0 +1,186 @@
+"""The trainer: setup (models, backends, interfaces, data), the step loop, checkpoints, close."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from arealcli.runtime import checkpoint as ckpt
+from arealcli.runtime.dataflow import Call, run_calls
+from arealcli.runtime.datasets import Batches
+from arealcli.runtime.metrics import JSONLSink, MetricLogger, tensorboard_sink
+from arealcli.runtime.model import FinetuneSpec, Model, build_module
+from arealcli.runtime.registry import make_backend, make_dataset, make_interface
+from arealcli.runtime.tokenizer import load_tokenizer
+from arealcli.schema.recipe import Recipe
+
+
+def model_build_order(recipe: Recipe) -> list[str]:
+    """Models after the models they are initialized from."""
+    order: list[str] = []
+    while len(order) < len(recipe.models):
+        for name, spec in recipe.models.items():
+            if name not in order and (spec.init_from is None or spec.init_from in order):
+                order.append(name)
+    return order
+
+
+class Trainer:
+    def __init__(self, recipe: Recipe, recipe_dir: Path, run_dir: Path, resume: bool = False, progress=None):
+        self.recipe, self.recipe_dir, self.run_dir, self.resume = recipe, recipe_dir, run_dir, resume
+        self.progress = progress  # callable(step, total, stats) for the console, or None
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        r = self.recipe
+        torch.manual_seed(r.seed)
+        random.seed(r.seed)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        resume_from = ckpt.latest_checkpoint(self.ckpt_root) if self.resume else None
+
+        first_path = next((m.path for m in r.models.values() if m.path), None)
+        self.tokenizer = load_tokenizer(r.tokenizer, first_path and self._resolve(first_path))
+        self.dataset = make_dataset(r.dataset, self.tokenizer, str(self.recipe_dir))
+        self.batches = Batches(self.dataset, r.dataset.batch_size, r.dataset.shuffle, r.seed)
+        self.eval_batches = None
+        if r.eval_dataset is not None:
+            eval_ds = make_dataset(r.eval_dataset, self.tokenizer, str(self.recipe_dir))
+            self.eval_batches = Batches(eval_ds, min(r.eval_dataset.batch_size, len(eval_ds)), False, r.seed)
+
+        epochs_steps = r.trainer.total_train_epochs * self.batches.steps_per_epoch
+        self.total_steps = min(epochs_steps, r.trainer.max_steps) if r.trainer.max_steps else epochs_steps
+        spec = FinetuneSpec(
+            r.trainer.total_train_epochs, len(self.dataset), r.dataset.batch_size, self.total_steps
+        )
+
+        self.trained = {c.model for c in r.dataflow.calls if c.type == "train_step" and c.model}
+        self.models: dict[str, Model] = {}
+        raw: dict[str, Any] = {}
+        for i, name in enumerate(model_build_order(r)):
+            mspec = r.models[name]
+            if mspec.path:
+                mspec = mspec.model_copy(update={"path": self._resolve(mspec.path)})
+            raw[name] = build_module(mspec, self.tokenizer, r.seed + i, raw.get(mspec.init_from))
+        for name in model_build_order(r):
+            module = raw[name]
+            if resume_from is not None and name in self.trained:
+                ckpt.load_hf_weights(module, resume_from / name)
+            model = Model(name, module, self.tokenizer)
+            model = make_backend(r.models[name].backend).initialize(model, spec)
+            if resume_from is not None and name in self.trained:
+                model.backend.load(model, str(resume_from / name))
+            self.models[name] = model
+
+        self.calls = [
+            Call(c, make_interface(c.interface), self.models[c.model] if c.model else None)
+            for c in r.dataflow.calls
+        ]
+        if resume_from is not None:
+            state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+            self.global_step = state["global_step"]
+            for name, version in state["versions"].items():
+                self.models[name].version.__dict__.update(version)
+            for call, cstate in zip(self.calls, state["interfaces"], strict=True):
+                if cstate is not None:
+                    call.interface.load_state_dict(cstate)
+            ckpt.set_rng_state(state["rng"])
+        self.resumed_from = resume_from
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        sinks: list[Any] = [JSONLSink(self.run_dir / "metrics.jsonl")]
+        if r.trainer.tensorboard and (tb := tensorboard_sink(self.run_dir / "tensorboard")) is not None:
+            sinks.append(tb)
+        self.logger = MetricLogger(sinks)
+
+    def _resolve(self, path: str) -> str:
+        p = Path(path).expanduser()
+        return str(p if p.is_absolute() else (self.recipe_dir / p))
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> dict[str, float]:
+        t = self.recipe.trainer
+        last: dict[str, float] = {}
+        if t.eval_at_start and self.global_step == 0 and self.eval_batches is not None:
+            last.update(self.evaluate())
+            self.logger.log(0, last)
+        while self.global_step < self.total_steps:
+            epoch, epoch_step = divmod(self.global_step, self.batches.steps_per_epoch)
+            for m in self.models.values():
+                m.version.epoch, m.version.epoch_step = epoch, epoch_step
+            t0 = time.perf_counter()
+            _, stats = run_calls(self.calls, self.batches.batch(epoch, epoch_step))
+            self.global_step += 1
+            stats.update({"epoch": epoch, "timing/step_s": time.perf_counter() - t0})
+            if t.eval_every_n_steps and self.global_step % t.eval_every_n_steps == 0:
+                stats.update(self.evaluate())
+            log_now = self.global_step % t.log_every_n_steps == 0 or self.global_step == self.total_steps
+            if log_now:
+                self.logger.log(self.global_step, stats)
+            if self.progress is not None:
+                self.progress(self.global_step, self.total_steps, stats, log_now)
+            last = stats
+            if t.save_every_n_steps and self.global_step % t.save_every_n_steps == 0:
+                self.save()
+        if self.latest_saved_step() != self.global_step:
+            self.save()
+        return last
+
+    def evaluate(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for call in self.calls:
+            if call.spec.type == "train_step":
+                stats = call.interface.evaluate(call.model, self.eval_batches.all_batches())
+                out.update({f"eval/{call.spec.name}/{k}": v for k, v in stats.items()})
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def latest_saved_step(self) -> int | None:
+        latest = ckpt.latest_checkpoint(self.ckpt_root)
+        return int(latest.name.split("_")[1]) if latest else None
+
+    def save(self) -> Path:
+        def write(tmp: Path) -> None:
+            for name in sorted(self.trained):
+                model, call = self.models[name], self._train_call(name)
+                call.interface.save(model, str(tmp / name))
+                model.backend.save(model, str(tmp / name))
+            torch.save(
+                {
+                    "global_step": self.global_step,
+                    "versions": {n: vars(m.version).copy() for n, m in self.models.items()},
+                    "interfaces": [getattr(c.interface, "state_dict", lambda: None)() for c in self.calls],
+                    "rng": ckpt.rng_state(),
+                },
+                tmp / "trainer_state.pt",
+            )
+
+        return ckpt.write_checkpoint(
+            self.ckpt_root, self.global_step, write, self.recipe.trainer.keep_last_n_checkpoints
+        )
+
+    def _train_call(self, model_name: str) -> Call:
+        return next(c for c in self.calls if c.spec.type == "train_step" and c.spec.model == model_name)
+
+    def close(self) -> None:
+        if hasattr(self, "logger"):
+            self.logger.close()
+        for model in getattr(self, "models", {}).values():
+            if model.backend is not None:
+                model.backend.destroy(model)
+
+
+def write_resolved_recipe(recipe: Recipe, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))

@@ -1,0 +1,142 @@
+"""The recipe: a pydantic model of the whole YAML file."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+
+from arealcli.schema.base import Abstraction, ModelBackendAbstraction, ModelInterfaceAbstraction, StrictModel
+from arealcli.schema.components.engine import MicroBatchSpec
+
+
+class ModelArchConfig(StrictModel):
+    """Build a model from an architecture config instead of loading weights (debugging, quickstarts)."""
+
+    family: Literal["qwen2", "llama"] = Field("qwen2", description="Architecture family.")
+    hidden_size: PositiveInt = Field(64, description="Width of the residual stream.")
+    num_hidden_layers: PositiveInt = Field(2, description="Transformer layers.")
+    num_attention_heads: PositiveInt = Field(4, description="Query heads.")
+    num_key_value_heads: PositiveInt = Field(2, description="Key/value heads (GQA).")
+    intermediate_size: PositiveInt = Field(256, description="MLP width.")
+    max_position_embeddings: PositiveInt = Field(1024, description="Longest sequence, in tokens.")
+    rope_theta: float = Field(10000.0, gt=0, description="Rotary embedding base.")
+    tie_word_embeddings: bool = Field(True, description="Share input and output embeddings.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelArchConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        return self
+
+
+class TokenizerSpec(StrictModel):
+    """Where the tokenizer comes from."""
+
+    kind: Literal["hf", "char"] = Field(
+        "hf", description="hf = load from `path`; char = built-in character-level tokenizer (no download)."
+    )
+    path: str | None = Field(None, description="Local HF tokenizer directory (kind: hf).")
+
+    @model_validator(mode="after")
+    def _path_for_hf(self) -> TokenizerSpec:
+        if self.kind == "hf" and not self.path:
+            raise ValueError("a tokenizer of kind 'hf' needs a `path`; or use kind: char")
+        return self
+
+
+class ModelSpec(StrictModel):
+    """One model of the run: where its weights come from and which backend runs it."""
+
+    path: str | None = Field(None, description="Local HF model directory to load.")
+    config: ModelArchConfig | None = Field(None, description="Build from this config with random weights.")
+    init_from: str | None = Field(
+        None,
+        description="Start from another model of this recipe (after its own loading), e.g. ref <- actor.",
+    )
+    value_head: bool = Field(False, description="Replace the LM head by a scalar value head (critics).")
+    backend: ModelBackendAbstraction = Field(
+        default_factory=lambda: ModelBackendAbstraction(type_="hf"), description="Backend running this model."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        sources = [s for s in ("path", "config", "init_from") if getattr(self, s) is not None]
+        if len(sources) != 1:
+            raise ValueError(
+                "a model needs exactly one of `path` (HF directory), `config` (build from config) or "
+                f"`init_from` (another model of the recipe); got {sources or 'none'}"
+            )
+        return self
+
+
+class DatasetSpec(Abstraction):
+    """A registered dataset, and how it is batched."""
+
+    batch_size: PositiveInt = Field(description="Prompts (or samples) per training step.")
+    shuffle: bool = Field(True, description="Reshuffle every epoch (seeded: the order is reproducible).")
+
+
+class CallSpec(StrictModel):
+    """One model function call (MFC) of the dataflow graph."""
+
+    name: str = Field(description="Unique name of the call (used in logs and timings).")
+    model: str | None = Field(
+        description="Model it runs on (null for weightless interfaces such as rule rewards)."
+    )
+    interface: ModelInterfaceAbstraction = Field(description="Interface implementing the call.")
+    type: Literal["generate", "inference", "train_step"] = Field(
+        description="Which interface method to call."
+    )
+    inputs: list[str] = Field(default_factory=list, description="Data keys consumed.")
+    outputs: list[str] = Field(default_factory=list, description="Data keys produced.")
+    mb_spec: MicroBatchSpec = Field(default_factory=MicroBatchSpec, description="Micro-batch split.")
+
+
+class DataflowSpec(StrictModel):
+    """The algorithm as a graph of model calls; edges follow from input/output keys."""
+
+    calls: list[CallSpec] = Field(min_length=1, description="Model function calls, in a valid order.")
+
+
+class TrainerSpec(StrictModel):
+    """The training loop: how long, and how often to log, evaluate and save."""
+
+    total_train_epochs: PositiveInt = Field(1, description="Passes over the dataset.")
+    max_steps: PositiveInt | None = Field(None, description="Stop after this many steps (overrides epochs).")
+    log_every_n_steps: PositiveInt = Field(1, description="Console/JSONL logging interval.")
+    save_every_n_steps: PositiveInt | None = Field(
+        None, description="Checkpoint interval; always saves at the end."
+    )
+    keep_last_n_checkpoints: PositiveInt = Field(2, description="Older checkpoints are deleted.")
+    eval_every_n_steps: PositiveInt | None = Field(
+        None, description="Evaluation interval (needs eval_dataset)."
+    )
+    eval_at_start: bool = Field(False, description="Evaluate before the first step too.")
+    tensorboard: bool = Field(
+        True, description="Also write TensorBoard events (when tensorboard is installed)."
+    )
+
+
+class Recipe(StrictModel):
+    """A whole training recipe."""
+
+    experiment: str = Field(description="Name of the run.")
+    seed: NonNegativeInt = Field(1, description="Seed for weights, data order and sampling.")
+    output_dir: str | None = Field(None, description="Run directory; default runs/<experiment>.")
+    imports: list[str] = Field(default_factory=list, description="Python modules to import (user plugins).")
+    tokenizer: TokenizerSpec | None = Field(
+        None, description="Tokenizer; default: the one in the first model's `path`."
+    )
+    models: dict[str, ModelSpec] = Field(min_length=1, description="Models by name.")
+    dataset: DatasetSpec = Field(description="Training data.")
+    eval_dataset: DatasetSpec | None = Field(None, description="Held-out data for evaluation.")
+    dataflow: DataflowSpec = Field(description="The algorithm's model calls.")
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Loop settings.")

@@ -1,0 +1,182 @@
+"""Name -> component registries, importable without torch.
+
+Each registry entry carries the component's typed argument model, so `areal check` can validate a
+recipe's `args` without importing the component (built-ins are named by `"module:Class"` strings and
+imported only when built). User code registers with `register_*` from its own module, listed in the
+recipe's `imports:` or exposed through the `arealcli.plugins` entry-point group.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from pydantic import BaseModel
+
+from arealcli.schema.base import NoArgs
+
+CALL_TYPES = ("generate", "inference", "train_step")
+
+
+class RegistryError(Exception):
+    """A name that is unknown or registered twice, or a plugin that cannot be imported."""
+
+
+@dataclass
+class Entry:
+    name: str
+    target: str | type  # "package.module:Class" (built-ins, imported lazily) or the object itself
+    args_model: type[BaseModel]
+    description: str
+    origin: str
+    # Interfaces only: the call types the interface implements, and whether it needs model weights.
+    call_types: frozenset[str] = field(default_factory=frozenset)
+    needs_model: bool = True
+    # Datasets only: the data keys every batch provides (tensor keys and meta keys).
+    data_keys: frozenset[str] = field(default_factory=frozenset)
+
+    def load(self) -> Any:
+        if isinstance(self.target, str):
+            module, _, attr = self.target.partition(":")
+            self.target = getattr(importlib.import_module(module), attr)
+        return self.target
+
+
+def suggest(name: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    available = ", ".join(sorted(options)) or "none"
+    return f"{hint} available: {available}"
+
+
+class Registry:
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._entries: dict[str, Entry] = {}
+
+    def add(self, entry: Entry) -> None:
+        old = self._entries.get(entry.name)
+        if old is not None and old.target is not entry.target and old.target != entry.target:
+            raise RegistryError(
+                f"{self.kind} {entry.name!r} is registered twice: by {_describe(old)} and by {_describe(entry)}"
+            )
+        self._entries[entry.name] = entry
+
+    def get(self, name: str) -> Entry:
+        load_entry_point_plugins()
+        if name not in self._entries:
+            raise RegistryError(f"unknown {self.kind} {name!r}{suggest(name, list(self._entries))}")
+        return self._entries[name]
+
+    def __contains__(self, name: str) -> bool:
+        load_entry_point_plugins()
+        return name in self._entries
+
+    def entries(self) -> list[Entry]:
+        load_entry_point_plugins()
+        return sorted(self._entries.values(), key=lambda e: e.name)
+
+    def names(self) -> list[str]:
+        return [e.name for e in self.entries()]
+
+
+def _describe(entry: Entry) -> str:
+    t = entry.target
+    return t if isinstance(t, str) else f"{t.__module__}:{t.__qualname__}"
+
+
+INTERFACES = Registry("interface")
+BACKENDS = Registry("backend")
+DATASETS = Registry("dataset")
+REWARDS = Registry("reward")
+ALL = {"interfaces": INTERFACES, "backends": BACKENDS, "datasets": DATASETS, "rewards": REWARDS}
+
+
+def _args_model_of(obj: Any) -> type[BaseModel]:
+    args = getattr(obj, "Args", None)
+    return args if isinstance(args, type) and issubclass(args, BaseModel) else NoArgs
+
+
+def _doc_line(obj: Any) -> str:
+    doc = (getattr(obj, "__doc__", None) or "").strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+def implemented_call_types(cls: type) -> frozenset[str]:
+    """Call types a ModelInterface subclass overrides (the base raises NotImplementedError)."""
+    from_base = {}
+    for base in cls.__mro__[1:]:
+        if base.__name__ == "ModelInterface":
+            from_base = {name: getattr(base, name) for name in CALL_TYPES}
+    return frozenset(n for n in CALL_TYPES if getattr(cls, n, None) is not from_base.get(n))
+
+
+def register_interface(name: str, cls: type, *, needs_model: bool | None = None) -> type:
+    """Register a ModelInterface subclass; its `Args` (a pydantic model) validates recipe args."""
+    INTERFACES.add(
+        Entry(
+            name,
+            cls,
+            _args_model_of(cls),
+            _doc_line(cls),
+            cls.__module__,
+            implemented_call_types(cls),
+            getattr(cls, "needs_model", True) if needs_model is None else needs_model,
+        )
+    )
+    return cls
+
+
+def register_backend(name: str, cls: type) -> type:
+    """Register a ModelBackend subclass; its `Args` validates recipe args."""
+    BACKENDS.add(Entry(name, cls, _args_model_of(cls), _doc_line(cls), cls.__module__))
+    return cls
+
+
+def register_dataset(name: str, cls: type) -> type:
+    """Register a dataset class built as `cls(args, tokenizer, base_dir)`; `cls.provides` lists its keys."""
+    keys = frozenset(getattr(cls, "provides", ()))
+    DATASETS.add(Entry(name, cls, _args_model_of(cls), _doc_line(cls), cls.__module__, data_keys=keys))
+    return cls
+
+
+def register_reward(name: str, fn: Any) -> Any:
+    """Register a reward function `fn(prompts, responses, **dataset_fields) -> list[float]`."""
+    REWARDS.add(Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?")))
+    return fn
+
+
+_entry_points_loaded = False
+ENTRY_POINT_GROUP = "arealcli.plugins"
+
+
+def load_entry_point_plugins() -> None:
+    """Import every module exposed by installed packages under the `arealcli.plugins` group."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from arealcli.schema import builtins  # noqa: F401  (fills the registries)
+
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as e:  # a broken plugin must not take down `areal list`
+            raise RegistryError(f"plugin {ep.name!r} ({ep.value}) failed to import: {e}") from e
+
+
+def import_plugins(modules: list[str]) -> list[str]:
+    """Import a recipe's `imports:` list; returns one error message per module that fails."""
+    load_entry_point_plugins()
+    errors = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            errors.append(f"cannot import {module!r}: {e}")
+        except RegistryError as e:
+            errors.append(f"importing {module!r}: {e}")
+    return errors

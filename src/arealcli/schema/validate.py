@@ -1,0 +1,306 @@
+"""Validate a recipe completely: structure, every component's own args, and the dataflow graph.
+
+All problems are collected (never only the first) as `Problem`s carrying the path into the recipe, so
+the command layer can print each one as `file:line:col: path: message (got value)`.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from arealcli.schema.recipe import DataflowSpec, ModelSpec, Recipe
+from arealcli.schema.registry import (
+    BACKENDS,
+    DATASETS,
+    INTERFACES,
+    Registry,
+    RegistryError,
+    import_plugins,
+    suggest,
+)
+from arealcli.schema.source import Located, Path_
+
+_MISSING = object()
+
+
+@dataclass
+class Problem:
+    path: Path_
+    message: str
+    value: Any = _MISSING
+
+    def format(self, src: Located) -> str:
+        dotted = ".".join(str(p) for p in self.path) or "<recipe>"
+        got = "" if self.value is _MISSING else f" (got {_short(self.value)})"
+        return f"{src.where(self.path)}: {dotted}: {self.message}{got}"
+
+
+class RecipeInvalid(Exception):
+    def __init__(self, problems: list[Problem], src: Located):
+        self.problems, self.src = problems, src
+        super().__init__("\n".join(p.format(src) for p in problems))
+
+    def lines(self) -> list[str]:
+        return [p.format(self.src) for p in self.problems]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --------------------------------------------------------------------------- pydantic errors -> Problems
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The model classes / containers an annotation may hold (Optional, unions, list, dict)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return [x for arg in typing.get_args(annotation) for x in _unwrap(arg)]
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    return [annotation]
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model class that owns the field at `loc` (to suggest valid keys)."""
+    current: Any = model
+    for part in loc:
+        found = None
+        for candidate in _unwrap(current):
+            origin = typing.get_origin(candidate)
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel) and isinstance(part, str):
+                field = candidate.model_fields.get(part)
+                if field is not None:
+                    found = field.annotation
+                    break
+            elif origin in (list, dict) and typing.get_args(candidate):
+                found = typing.get_args(candidate)[-1]
+                break
+        if found is None:
+            return None
+        current = found
+    for candidate in _unwrap(current):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def problems_from_validation_error(
+    err: ValidationError, model: type[BaseModel], prefix: Path_ = ()
+) -> list[Problem]:
+    out = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(model, loc[:-1])
+            options = list(owner.model_fields) if owner else []
+            out.append(Problem(prefix + loc, f"unknown key{suggest(str(loc[-1]), options)}"))
+            continue
+        message = e["msg"]
+        if message.startswith("Value error, "):
+            message = message[len("Value error, ") :]
+        if e["type"] == "missing":
+            message = "required field is missing"
+            owner = _model_at(model, loc)
+            field_doc = owner.__doc__.strip().splitlines()[0] if owner and owner.__doc__ else ""
+            if field_doc and owner is not None and owner is not model:
+                message += f" ({field_doc})"
+            out.append(Problem(prefix + loc, message))
+            continue
+        out.append(Problem(prefix + loc, message, e.get("input", _MISSING)))
+    return out
+
+
+# --------------------------------------------------------------------------- component args
+
+
+def _abstractions(data: dict) -> list[tuple[Path_, Registry, Any]]:
+    """(path, registry, raw value) of every `{type_, args}` in the raw recipe data."""
+    found: list[tuple[Path_, Registry, Any]] = []
+    models = data.get("models")
+    if isinstance(models, dict):
+        for name, spec in models.items():
+            if isinstance(spec, dict):
+                spec.setdefault("backend", {"type_": "hf"})  # the default, resolved like a written one
+                found.append((("models", name, "backend"), BACKENDS, spec["backend"]))
+    for key in ("dataset", "eval_dataset"):
+        if isinstance(data.get(key), dict):
+            found.append(((key,), DATASETS, data[key]))
+    calls = (data.get("dataflow") or {}).get("calls") if isinstance(data.get("dataflow"), dict) else None
+    if isinstance(calls, list):
+        for i, call in enumerate(calls):
+            if isinstance(call, dict) and "interface" in call:
+                found.append((("dataflow", "calls", i, "interface"), INTERFACES, call["interface"]))
+    return found
+
+
+def _check_args(path: Path_, registry: Registry, raw: Any) -> list[Problem]:
+    if not isinstance(raw, dict) or not isinstance(raw.get("type_"), str):
+        return []  # the structural pass reports it
+    try:
+        entry = registry.get(raw["type_"])
+    except RegistryError as e:
+        return [Problem(path + ("type_",), str(e).replace(f"{raw['type_']!r}", repr(raw["type_"]), 1))]
+    args = raw.get("args") or {}
+    if not isinstance(args, dict):
+        return []
+    try:
+        typed = entry.args_model.model_validate(args)
+    except ValidationError as e:
+        return problems_from_validation_error(e, entry.args_model, path + ("args",))
+    raw["args"] = typed.model_dump(mode="json")  # the resolved recipe shows every default
+    return []
+
+
+# --------------------------------------------------------------------------- the dataflow graph
+
+
+def _check_graph(data: dict) -> list[Problem]:
+    """Cross-references, checked on whichever parts of the recipe are themselves valid."""
+    try:
+        calls = DataflowSpec.model_validate(data.get("dataflow")).calls
+    except ValidationError:
+        return []  # reported by the structural pass
+    raw_models = data.get("models") if isinstance(data.get("models"), dict) else {}
+    models: dict[str, ModelSpec] = {}
+    for name, raw in raw_models.items():
+        try:
+            models[name] = ModelSpec.model_validate(raw)
+        except ValidationError:
+            pass
+    problems: list[Problem] = []
+    produced_by: dict[str, str] = {}
+    names: set[str] = set()
+    for i, call in enumerate(calls):
+        here: Path_ = ("dataflow", "calls", i)
+        if call.name in names:
+            problems.append(Problem(here + ("name",), "duplicate call name; names must be unique", call.name))
+        names.add(call.name)
+        try:
+            entry = INTERFACES.get(call.interface.type_)
+        except RegistryError:
+            entry = None  # reported by the args pass
+        if entry is not None:
+            if call.type not in entry.call_types:
+                problems.append(
+                    Problem(
+                        here + ("type",),
+                        f"interface {entry.name!r} does not implement {call.type!r}; it implements "
+                        f"{', '.join(sorted(entry.call_types)) or 'nothing'}",
+                        call.type,
+                    )
+                )
+            if entry.needs_model and call.model is None:
+                problems.append(Problem(here + ("model",), f"interface {entry.name!r} needs a model"))
+        if call.model is not None and call.model not in raw_models:
+            problems.append(
+                Problem(
+                    here + ("model",), f"no such model{suggest(call.model, list(raw_models))}", call.model
+                )
+            )
+        if call.model is not None and call.type == "train_step" and call.model in models:
+            backend_args = models[call.model].backend.args
+            if "optimizer" in backend_args and backend_args["optimizer"] is None:
+                problems.append(
+                    Problem(
+                        ("models", call.model, "backend", "args"),
+                        f"model {call.model!r} is trained by call {call.name!r} but its backend has no "
+                        "optimizer; add `optimizer: {lr: ...}` to its backend args",
+                    )
+                )
+        for key in call.outputs:
+            if key in produced_by:
+                problems.append(
+                    Problem(
+                        here + ("outputs",),
+                        f"key {key!r} is already produced by call {produced_by[key]!r}",
+                        key,
+                    )
+                )
+            produced_by.setdefault(key, call.name)
+    # Every input must be produced by an EARLIER call or come from the dataset. A key produced only by a
+    # later call is a cycle (or a wrong order).
+    dataset_keys = _dataset_keys(data.get("dataset"))
+    for i, call in enumerate(calls):
+        earlier = {k for c in calls[:i] for k in c.outputs}
+        for key in call.inputs:
+            if key in earlier or dataset_keys is None or key in dataset_keys:
+                continue
+            later = [c.name for c in calls[i:] if key in c.outputs]
+            if later:
+                problems.append(
+                    Problem(
+                        ("dataflow", "calls", i, "inputs"),
+                        f"key {key!r} is produced by {later[0]!r}, which runs after {call.name!r}: "
+                        "the graph has a cycle or the calls are out of order",
+                        key,
+                    )
+                )
+            else:
+                problems.append(
+                    Problem(
+                        ("dataflow", "calls", i, "inputs"),
+                        f"key {key!r} is produced by no earlier call and not by the dataset (which provides "
+                        f"{', '.join(sorted(dataset_keys))})",
+                        key,
+                    )
+                )
+    for name, spec in models.items():
+        if spec.init_from is not None and spec.init_from not in raw_models:
+            problems.append(
+                Problem(
+                    ("models", name, "init_from"),
+                    f"no such model{suggest(spec.init_from, list(raw_models))}",
+                    spec.init_from,
+                )
+            )
+    trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else {}
+    if trainer.get("eval_every_n_steps") is not None and data.get("eval_dataset") is None:
+        problems.append(Problem(("trainer", "eval_every_n_steps"), "evaluation needs an `eval_dataset`"))
+    return problems
+
+
+def _dataset_keys(raw: Any) -> frozenset[str] | None:
+    """Keys the training dataset provides; None when unknown (its own error is reported elsewhere)."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("type_"), str) or raw["type_"] not in DATASETS:
+        return None
+    return DATASETS.get(raw["type_"]).data_keys
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def validate(src: Located) -> Recipe:
+    """Validate and resolve a located recipe; raises RecipeInvalid listing every problem."""
+    data = src.data
+    problems: list[Problem] = []
+    imports = data.get("imports") or []
+    if isinstance(imports, list) and all(isinstance(m, str) for m in imports):
+        for msg in import_plugins(imports):
+            problems.append(Problem(("imports",), msg))
+    for path, registry, raw in _abstractions(data):
+        problems.extend(_check_args(path, registry, raw))
+    recipe = None
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        problems.extend(problems_from_validation_error(e, Recipe))
+    problems.extend(_check_graph(data))
+    if problems:
+        problems.sort(key=lambda p: _line_of(src, p.path))
+        raise RecipeInvalid(problems, src)
+    assert recipe is not None
+    return recipe
+
+
+def _line_of(src: Located, path: Path_) -> tuple[int, int]:
+    for n in range(len(path), -1, -1):
+        if tuple(path[:n]) in src.positions:
+            return src.positions[tuple(path[:n])]
+    return (0, 0)
