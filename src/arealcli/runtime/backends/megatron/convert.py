@@ -128,15 +128,17 @@ def _has_qkv_bias(hf_config: Any) -> bool:
 
 
 def expected_hf_keys(hf_config: Any) -> list[str]:
-    """The keys of the HF model's state dict (as ``model.state_dict()`` lists them)."""
+    """The keys of the HF model's state dict, in ``model.state_dict()`` order."""
     keys = ["model.embed_tokens.weight"]
     for i in range(hf_config.num_hidden_layers):
         p = f"model.layers.{i}."
-        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        keys += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
-        if _has_qkv_bias(hf_config):
-            keys += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        for n in "qkv":
+            keys.append(p + f"self_attn.{n}_proj.weight")
+            if _has_qkv_bias(hf_config):
+                keys.append(p + f"self_attn.{n}_proj.bias")
+        keys.append(p + "self_attn.o_proj.weight")
         keys += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     return keys + ["model.norm.weight", "lm_head.weight"]
 
 

@@ -171,6 +171,7 @@ def transformer_config_from_hf(hf_config: Any, dtype: torch.dtype = torch.float3
         "pipeline_model_parallel_size": pp,
         "pipeline_dtype": dtype if pp > 1 else None,
         "sequence_parallel": False,
+        "cuda_graph_scope": [],  # megatron's default "full" means the same, with a deprecation warning
     }
     if cpu_compat.cpu_only():
         fields.update(cpu_compat.cpu_config_overrides())
