@@ -38,7 +38,12 @@ def gloo_world_of_one() -> Iterator[None]:
 
 def launch_workers(nprocs: int, args: list[str], timeout_s: float = 120) -> None:
     """Run this file as ``nprocs`` ranks of one gloo world; raise with their output if any fails."""
-    env_base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
+    env_base = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(nprocs),
+    }
     env_base["PYTHONWARNINGS"] = "ignore"
     procs = [
         subprocess.Popen(

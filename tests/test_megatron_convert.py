@@ -96,7 +96,11 @@ def test_qkv_layout_is_grouped_per_kv_head() -> None:
     v = torch.tensor([[20.0], [21.0]])
     fused = convert.qkv_to_megatron(q, k, v, num_query_groups=2)
     assert fused.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
-    assert [t.flatten().tolist() for t in convert.qkv_from_megatron(fused, 4, 2, 1)] == [[0, 1, 2, 3], [10, 11], [20, 21]]
+    assert [t.flatten().tolist() for t in convert.qkv_from_megatron(fused, 4, 2, 1)] == [
+        [0, 1, 2, 3],
+        [10, 11],
+        [20, 21],
+    ]
 
 
 def test_fc1_is_gate_then_up_per_tp_rank() -> None:
@@ -118,8 +122,17 @@ def test_bad_state_dict_is_rejected() -> None:
 def test_config_reads_rope_gqa_bias_and_ties() -> None:
     qwen = tiny_hf_model("qwen2", tied=True, layers=2).config
     cfg = model.transformer_config_from_hf(qwen, torch.float32)
-    assert (cfg.num_query_groups, cfg.kv_channels, cfg.add_qkv_bias, cfg.add_bias_linear) == (2, 16, True, False)
-    assert cfg.gated_linear_unit and cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == qwen.rms_norm_eps
+    assert (cfg.num_query_groups, cfg.kv_channels, cfg.add_qkv_bias, cfg.add_bias_linear) == (
+        2,
+        16,
+        True,
+        False,
+    )
+    assert (
+        cfg.gated_linear_unit
+        and cfg.normalization == "RMSNorm"
+        and cfg.layernorm_epsilon == qwen.rms_norm_eps
+    )
     assert model.rope_settings(qwen) == {"rotary_base": 1e6, "rope_scaling": False}
     llama = tiny_hf_model("llama", layers=2).config
     assert not model.transformer_config_from_hf(llama, torch.float32).add_qkv_bias
@@ -163,6 +176,27 @@ def test_single_process_logits_match_hf(megatron_world_of_one, name: str, attent
     assert torch.count_nonzero(logits[..., VOCAB:]) == 0  # padded vocab rows are zero
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "local"])
+def test_single_process_gradients_match_hf(megatron_world_of_one, attention: str) -> None:
+    """Backward too: HF's gradients, mapped through the same conversion, equal megatron's."""
+    hf = tiny_hf_model("qwen2", tied=True, layers=2)
+    gpt = model.build_gpt_model(hf.config, attention=attention)
+    gpt.load_state_dict(convert.hf_to_megatron(hf.state_dict(), hf.config, 0, 1, 0, 1), strict=True)
+    ids = fixed_batch()
+
+    def next_token_loss(logits: torch.Tensor) -> torch.Tensor:  # logits (B, T, V)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+    next_token_loss(hf(ids).logits).backward()
+    next_token_loss(gpt(ids, torch.arange(SEQ).expand(BATCH, SEQ), None)[..., :VOCAB]).backward()
+
+    hf_grads = {k: p.grad for k, p in hf.named_parameters()}
+    hf_grads["lm_head.weight"] = hf_grads["model.embed_tokens.weight"]  # tied: one parameter
+    expected = convert.hf_to_megatron(hf_grads, hf.config, 0, 1, 0, 1)
+    for name, p in gpt.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=1e-5, msg=name)
+
+
 def test_sdpa_attention_matches_local_with_explicit_mask(megatron_world_of_one) -> None:
     """Same inputs through SDPAttention and megatron's DotProductAttention: GQA + a padding mask."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -177,7 +211,9 @@ def test_sdpa_attention_matches_local_with_explicit_mask(megatron_world_of_one) 
     k, v = torch.randn(2, sq, b, 2, hn, generator=gen)  # [s, b, ng, hn]
     mask = torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1).expand(b, 1, sq, sq).clone()
     mask[1, :, :, :3] = True  # sample 1: first 3 keys are padding ...
-    mask[1, :, :3, :3] = torch.triu(torch.ones(3, 3, dtype=torch.bool), diagonal=1)  # ... except to themselves
+    mask[1, :, :3, :3] = torch.triu(
+        torch.ones(3, 3, dtype=torch.bool), diagonal=1
+    )  # ... except to themselves
     for attention_mask in (None, mask):
         outs = [
             cls(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")(
@@ -189,45 +225,67 @@ def test_sdpa_attention_matches_local_with_explicit_mask(megatron_world_of_one) 
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
 
 
+def test_cpu_workarounds_stay_off_when_cuda_is_available(monkeypatch) -> None:
+    from arealcli.runtime.backends.megatron import cpu_compat
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_compat.apply_cpu_workarounds() is False
+    cfg = model.transformer_config_from_hf(tiny_hf_model("llama", layers=2).config, torch.bfloat16)
+    assert not cfg.use_cpu_initialization and cfg.bf16
+
+
 def test_unknown_attention_is_an_error() -> None:
     with pytest.raises(ValueError, match="'sdpa' or 'local'"):
         model.gpt_layer_spec("flash")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
-# (c) two real processes (gloo): TP = 2, and PP = 2 with the stages run by hand
+# (c) real processes (gloo): TP = 2, PP = 2 (stages run by hand), and (slow) TP2 x PP2, TP4
 # ---------------------------------------------------------------------------------------------
 
-DIST_MODELS = ["qwen2", "llama-tied"]
-DIST_LAYOUTS = [(2, 1), (1, 2)]
 
-
-@pytest.fixture(scope="module")
-def two_process_logits(tmp_path_factory):
-    """Runs every DIST_MODELS x DIST_LAYOUTS x attention case in one 2-process job (the process start
-    dominates the cost); returns {(name, attention, tp, pp): logits} and the HF reference logits."""
-    workdir = tmp_path_factory.mktemp("megatron_dist")
+def run_dist_job(workdir, nprocs: int, layouts: list[tuple[int, int]]):
+    """Run every MODELS x layouts x attention case in one ``nprocs``-process job (process start-up
+    dominates the cost); returns ({(name, attention, tp, pp): logits}, {name: HF logits})."""
     torch.save(fixed_batch(), workdir / "input_ids.pt")
     reference = {}
-    for name in DIST_MODELS:
-        hf = tiny_hf_model(*MODELS[name][:1], tied=MODELS[name][1])
+    for name, (family, tied) in MODELS.items():
+        hf = tiny_hf_model(family, tied=tied)
         (workdir / name).mkdir()
         hf.config.save_pretrained(workdir / name)
         torch.save(hf.state_dict(), workdir / name / "hf_state.pt")
         reference[name] = hf_logits(hf)
-    layouts = ",".join(f"{tp}x{pp}" for tp, pp in DIST_LAYOUTS)
-    launch_workers(2, ["--workdir", str(workdir), "--layouts", layouts, "--attentions", "sdpa,local"])
-    results = {}
-    for name in DIST_MODELS:
-        for attention in ("sdpa", "local"):
-            for tp, pp in DIST_LAYOUTS:
-                results[name, attention, tp, pp] = torch.load(workdir / f"{name}_{attention}_tp{tp}pp{pp}.pt")
+    layout_arg = ",".join(f"{tp}x{pp}" for tp, pp in layouts)
+    launch_workers(nprocs, ["--workdir", str(workdir), "--layouts", layout_arg, "--attentions", "sdpa,local"])
+    results = {
+        (name, attention, tp, pp): torch.load(workdir / f"{name}_{attention}_tp{tp}pp{pp}.pt")
+        for name in MODELS
+        for attention in ("sdpa", "local")
+        for tp, pp in layouts
+    }
     return results, reference
 
 
-@pytest.mark.parametrize("tp,pp", DIST_LAYOUTS)
+TWO_PROCESS_LAYOUTS = [(2, 1), (1, 2)]
+FOUR_PROCESS_LAYOUTS = [(2, 2), (4, 1)]  # TP=4 > 2 KV heads: megatron's split-group QKV path
+
+
+@pytest.fixture(scope="module")
+def two_process_logits(tmp_path_factory):
+    return run_dist_job(tmp_path_factory.mktemp("megatron_2proc"), 2, TWO_PROCESS_LAYOUTS)
+
+
+@pytest.mark.parametrize("tp,pp", TWO_PROCESS_LAYOUTS)
 @pytest.mark.parametrize("attention", ["sdpa", "local"])
-@pytest.mark.parametrize("name", DIST_MODELS)
+@pytest.mark.parametrize("name", list(MODELS))
 def test_two_process_logits_match_hf(two_process_logits, name: str, attention: str, tp: int, pp: int) -> None:
     results, reference = two_process_logits
     torch.testing.assert_close(results[name, attention, tp, pp], reference[name], rtol=0, atol=LOGIT_ATOL)
+
+
+@pytest.mark.slow
+def test_four_process_logits_match_hf(tmp_path) -> None:
+    """TP=2 x PP=2 and TP=4, four gloo processes on however many cores there are (~15 s on 2)."""
+    results, reference = run_dist_job(tmp_path, 4, FOUR_PROCESS_LAYOUTS)
+    for (name, *_), logits in results.items():
+        torch.testing.assert_close(logits, reference[name], rtol=0, atol=LOGIT_ATOL)

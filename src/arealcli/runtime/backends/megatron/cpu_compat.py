@@ -12,10 +12,12 @@ The workarounds (see /work/shared/ENVIRONMENT.md, "megatron-core"):
    fine-tuning with dropout 0 (what ``transformer_config_from_hf`` sets).
 2. Model construction: ``TransformerConfig(use_cpu_initialization=True)`` and all fusions off. That
    is config, not patching; ``cpu_config_overrides()`` returns the fields.
-3. ``torch.cuda.current_device()`` in forward: ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to it
-   and ``GlobalMemoryBuffer.get_tensor`` (the scratch buffer of the local ``DotProductAttention``)
-   allocates on it. We run exactly those two methods with ``torch.cuda.current_device`` answering
-   ``cpu``. Without CUDA that function can only raise, so nothing else can observe the change.
+3. ``torch.cuda.current_device()`` in forward: ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to it,
+   ``GlobalMemoryBuffer.get_tensor`` (the scratch buffer of the local ``DotProductAttention``) and the
+   tensor-parallel gather / reduce-scatter helpers (used when TP > num_key_value_heads, or for
+   ``gather_output``) allocate on it. We run exactly those functions with
+   ``torch.cuda.current_device`` answering ``cpu``. Without CUDA that function can only raise, so
+   nothing else can observe the change.
 4. Tied embeddings with pipeline parallelism: ``LanguageModule.setup_embeddings_and_output_layer``
    calls ``weight.data.cuda()`` before all-reducing the tied embedding between the first and last
    stage. On CPU we run it with that step skipped and do the same all-reduce on the CPU tensor.
@@ -90,7 +92,6 @@ def _on_cpu_device(method: Callable[..., Any]) -> Callable[..., Any]:
         with _current_device_is_cpu():
             return method(*args, **kwargs)
 
-    wrapper.__arealcli_cpu_shim__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -115,7 +116,6 @@ def _tied_embedding_setup_without_cuda(method: Callable[..., Any]) -> Callable[.
             weight = self.shared_embedding_or_output_weight()
             torch.distributed.all_reduce(weight.data, group=self.embd_group)
 
-    wrapper.__arealcli_cpu_shim__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -139,9 +139,12 @@ def apply_cpu_workarounds() -> bool:
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.tensor_parallel import mappings
 
     RotaryEmbedding.get_emb = _on_cpu_device(RotaryEmbedding.get_emb)
     mcore_utils.GlobalMemoryBuffer.get_tensor = _on_cpu_device(mcore_utils.GlobalMemoryBuffer.get_tensor)
+    for name in ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
+        setattr(mappings, name, _on_cpu_device(getattr(mappings, name)))
     LanguageModule.setup_embeddings_and_output_layer = _tied_embedding_setup_without_cuda(
         LanguageModule.setup_embeddings_and_output_layer
     )

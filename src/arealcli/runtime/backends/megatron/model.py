@@ -243,5 +243,9 @@ def build_gpt_model(
         position_embedding_type="rope",
         **rope_settings(hf_config),
     )
-    # The local spec's norms are plain torch.nn.RMSNorm, created in the default dtype: match the rest.
-    return model.to(dtype)
+    # The local spec's norms are plain torch.nn.RMSNorm, created on the CPU in the default dtype;
+    # megatron's linears are already on the current CUDA device (CPU here) in `dtype`. Match them.
+    device = (
+        torch.device("cpu") if cpu_compat.cpu_only() else torch.device("cuda", torch.cuda.current_device())
+    )
+    return model.to(device=device, dtype=dtype)

@@ -103,15 +103,6 @@ class SDPAttention(MegatronModule):
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
 
-        group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
-        gqa_kwargs = {}
-        if group > 1:
-            if _SDPA_HAS_GQA:
-                gqa_kwargs["enable_gqa"] = True
-            else:  # query head i reads K/V head i // group, as repeat_interleave in DotProductAttention
-                k = k.repeat_interleave(group, dim=1)
-                v = v.repeat_interleave(group, dim=1)
-
         attn_mask = None
         is_causal = False
         if attention_mask is not None:
@@ -120,6 +111,17 @@ class SDPAttention(MegatronModule):
             if sq != sk:
                 raise ValueError(f"A causal mask needs sq == sk without an explicit mask (got {sq} vs {sk}).")
             is_causal = True
+
+        group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        gqa_kwargs = {}
+        if group > 1:
+            # SDPA's native GQA runs on the flash / math kernels only; with an explicit mask the
+            # memory-efficient kernel is the fast one, and it needs K/V heads repeated (as HF does).
+            if _SDPA_HAS_GQA and attn_mask is None:
+                gqa_kwargs["enable_gqa"] = True
+            else:  # query head i reads K/V head i // group, as repeat_interleave in DotProductAttention
+                k = k.repeat_interleave(group, dim=1)
+                v = v.repeat_interleave(group, dim=1)
 
         dropout_p = self.dropout_p if self.training else 0.0
         if dropout_p > 0.0 and not self.config.sequence_parallel:
