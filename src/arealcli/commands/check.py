@@ -8,6 +8,7 @@ import typer
 import yaml
 
 from arealcli.commands.common import console, load_recipe
+from arealcli.schema.plan import plan_lines
 
 
 def check(
@@ -23,7 +24,24 @@ def check(
             end="",
             markup=False,
             highlight=False,
+            soft_wrap=True,  # never fold long values: the output must stay valid YAML
         )
         return
-    calls = " -> ".join(f"{c.name}({c.type} on {c.model or '-'})" for c in resolved.dataflow.calls)
-    console.print(f"[green]ok[/] {recipe}: {len(resolved.models)} model(s); dataflow: {calls}")
+    console.print(
+        f"[green]ok[/] {recipe}: {len(resolved.models)} model(s), {len(resolved.dataflow.calls)} call(s)"
+    )
+    console.print("[bold]dataflow[/]", highlight=False)
+    for c in resolved.dataflow.calls:
+        when = (
+            f" [dim]steps {c.start_step}..{c.end_step - 1 if c.end_step else 'end'}[/]"
+            if c.start_step or c.end_step
+            else ""
+        )
+        console.print(
+            f"  {c.name}: {c.interface.type_}.{c.type} on {c.model or '(no model)'}{when}\n"
+            f"      {', '.join(c.inputs) or '-'} -> {', '.join(c.outputs) or '(trains)'}",
+            highlight=False,
+        )
+    console.print("[bold]batch plan[/]", highlight=False)
+    for line in plan_lines(resolved):
+        console.print(f"  {line}", highlight=False, markup=False)

@@ -188,7 +188,7 @@ def pack_bins(sizes: list[int], min_bins: int, budget: int | None) -> list[list[
             bins = [[] for _ in range(k)]
             loads = [0] * k
             for i in order:
-                b = min(range(k), key=lambda j: (loads[j], j))
+                b = min(range(k), key=lambda j: (loads[j], len(bins[j]), j))  # empty bins first
                 bins[b].append(i)
                 loads[b] += sizes[i]
             fits = budget is None or all(

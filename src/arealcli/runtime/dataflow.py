@@ -35,16 +35,36 @@ def expand_to(batch: SequenceSample, out: SequenceSample) -> SequenceSample:
     return expanded
 
 
-def run_calls(calls: list[Call], batch: SequenceSample) -> tuple[SequenceSample, dict[str, float]]:
+def active(spec: CallSpec, step: int) -> bool:
+    return spec.start_step <= step and (spec.end_step is None or step < spec.end_step)
+
+
+def rename(result: SequenceSample, remap: dict[str, str]) -> SequenceSample:
+    if not remap:
+        return result
+    r = lambda k: remap.get(k, k)  # noqa: E731
+    return SequenceSample(
+        result.ids,
+        {r(k): v for k, v in result.seqlens.items()},
+        {r(k): v for k, v in result.data.items()},
+        {r(k): v for k, v in result.meta.items()},
+    )
+
+
+def run_calls(calls: list[Call], batch: SequenceSample, step: int) -> tuple[SequenceSample, dict[str, float]]:
+    """Run every call active at `step`; returns the final batch and the flat stats of the step."""
     stats: dict[str, float] = {}
     for call in calls:
         spec = call.spec
+        if not active(spec, step):
+            continue
         t0 = time.perf_counter()
         fn = getattr(call.interface, spec.type)
         result = fn(call.model, batch.select(spec.inputs), spec.mb_spec)
         if spec.type == "train_step":
             stats.update({f"{spec.name}/{k}": float(v) for k, v in result.items()})
         else:
+            result = rename(result, spec.output_key_remap)
             batch = expand_to(batch, result)
             missing = [k for k in spec.outputs if k not in result.keys]
             if missing:

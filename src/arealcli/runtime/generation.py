@@ -7,6 +7,7 @@ Returns, per sample, the generated ids, the log-prob of each under the sampling 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,11 @@ def sample(logits: torch.Tensor, g: GenerationHyperparameters) -> tuple[torch.Te
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
 @torch.no_grad()
 def generate(
     module, prompts: list[list[int]], g: GenerationHyperparameters, eos_ids: set[int], pad_id: int, device
@@ -59,8 +65,10 @@ def generate(
         attn[i, P - len(p) :] = 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     stop = torch.tensor(sorted(eos_ids | set(g.stop_token_ids)), device=device)
+    # transformers >= 5.2x names the cache argument `cache` (older: `past_key_values`)
+    cache_arg = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
     out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-    past, logits = out.past_key_values, out.logits[:, -1]
+    past, logits = _cache_of(out), out.logits[:, -1]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logps = [], []
     for t in range(g.max_new_tokens):
@@ -80,10 +88,10 @@ def generate(
             input_ids=token[:, None],
             attention_mask=attn,
             position_ids=pos,
-            past_key_values=past,
+            **{cache_arg: past},
             use_cache=True,
         )
-        past, logits = out.past_key_values, out.logits[:, -1]
+        past, logits = _cache_of(out), out.logits[:, -1]
     gen = torch.stack(tokens, 1).cpu()  # (B, T)
     lp = torch.stack(logps, 1).float().cpu()
     stop_cpu = set(stop.tolist())

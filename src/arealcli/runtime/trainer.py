@@ -58,7 +58,7 @@ class Trainer:
             self.eval_batches = Batches(eval_ds, min(r.eval_dataset.batch_size, len(eval_ds)), False, r.seed)
 
         epochs_steps = r.trainer.total_train_epochs * self.batches.steps_per_epoch
-        self.total_steps = min(epochs_steps, r.trainer.max_steps) if r.trainer.max_steps else epochs_steps
+        self.total_steps = r.trainer.max_steps or epochs_steps
         spec = FinetuneSpec(
             r.trainer.total_train_epochs, len(self.dataset), r.dataset.batch_size, self.total_steps
         )
@@ -81,8 +81,9 @@ class Trainer:
                 model.backend.load(model, str(resume_from / name))
             self.models[name] = model
 
+        weightless = Model("<weightless>", None, self.tokenizer)  # for calls with `model: null`
         self.calls = [
-            Call(c, make_interface(c.interface), self.models[c.model] if c.model else None)
+            Call(c, make_interface(c.interface), self.models[c.model] if c.model else weightless)
             for c in r.dataflow.calls
         ]
         if resume_from is not None:
@@ -119,8 +120,12 @@ class Trainer:
             for m in self.models.values():
                 m.version.epoch, m.version.epoch_step = epoch, epoch_step
             t0 = time.perf_counter()
-            _, stats = run_calls(self.calls, self.batches.batch(epoch, epoch_step))
+            batch, stats = run_calls(self.calls, self.batches.batch(epoch, epoch_step), self.global_step)
             self.global_step += 1
+            if t.samples_every_n_steps and self.global_step % t.samples_every_n_steps == 0:
+                write_samples(
+                    self.run_dir / "samples" / f"step_{self.global_step:08d}.jsonl", batch, self.tokenizer
+                )
             stats.update({"epoch": epoch, "timing/step_s": time.perf_counter() - t0})
             if t.eval_every_n_steps and self.global_step % t.eval_every_n_steps == 0:
                 stats.update(self.evaluate())
@@ -179,6 +184,31 @@ class Trainer:
         for model in getattr(self, "models", {}).values():
             if model.backend is not None:
                 model.backend.destroy(model)
+
+
+def write_samples(path: Path, batch, tokenizer) -> None:
+    """Generated responses of a step, readable: prompt, response, reward, truncated."""
+    import json
+
+    if "prompt_mask" not in batch.data or "rewards" not in batch.data:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i, (ids, pm) in enumerate(
+            zip(batch.unpack("packed_input_ids"), batch.unpack("prompt_mask"), strict=True)
+        ):
+            pm = pm.bool()
+            row = {
+                "id": str(batch.ids[i]),
+                "prompt": tokenizer.decode(ids[pm].tolist()),
+                "response": tokenizer.decode(ids[~pm].tolist()),
+                "reward": float(batch.data["rewards"][i]),
+            }
+            if "seq_no_eos_mask" in batch.data:
+                row["truncated"] = bool(batch.data["seq_no_eos_mask"][i])
+            if "answers" in batch.meta:
+                row["answers"] = batch.meta["answers"][i]
+            f.write(json.dumps(row) + "\n")
 
 
 def write_resolved_recipe(recipe: Recipe, run_dir: Path) -> None:

@@ -97,11 +97,22 @@ class CallSpec(StrictModel):
     )
     inputs: list[str] = Field(default_factory=list, description="Data keys consumed.")
     outputs: list[str] = Field(default_factory=list, description="Data keys produced.")
+    output_key_remap: dict[str, str] = Field(
+        default_factory=dict, description="Rename produced keys, e.g. {packed_logprobs: packed_ref_logprobs}."
+    )
     mb_spec: MicroBatchSpec = Field(default_factory=MicroBatchSpec, description="Micro-batch split.")
+    start_step: NonNegativeInt = Field(0, description="First training step (0-based) at which the call runs.")
+    end_step: PositiveInt | None = Field(
+        None, description="The call runs before this step only; null = always."
+    )
 
 
 class DataflowSpec(StrictModel):
-    """The algorithm as a graph of model calls; edges follow from input/output keys."""
+    """The algorithm as a graph of model calls; edges follow from input/output keys.
+
+    Write `calls` out, or name a `preset` (sft, grpo, ppo) that expands to them (`areal check --print`
+    shows the expansion).
+    """
 
     calls: list[CallSpec] = Field(min_length=1, description="Model function calls, in a valid order.")
 
@@ -110,7 +121,9 @@ class TrainerSpec(StrictModel):
     """The training loop: how long, and how often to log, evaluate and save."""
 
     total_train_epochs: PositiveInt = Field(1, description="Passes over the dataset.")
-    max_steps: PositiveInt | None = Field(None, description="Stop after this many steps (overrides epochs).")
+    max_steps: PositiveInt | None = Field(
+        None, description="Train this many steps, cycling over epochs (overrides total_train_epochs)."
+    )
     log_every_n_steps: PositiveInt = Field(1, description="Console/JSONL logging interval.")
     save_every_n_steps: PositiveInt | None = Field(
         None, description="Checkpoint interval; always saves at the end."
@@ -120,6 +133,9 @@ class TrainerSpec(StrictModel):
         None, description="Evaluation interval (needs eval_dataset)."
     )
     eval_at_start: bool = Field(False, description="Evaluate before the first step too.")
+    samples_every_n_steps: PositiveInt | None = Field(
+        None, description="Write generated samples to <run>/samples/step_N.jsonl at this interval."
+    )
     tensorboard: bool = Field(
         True, description="Also write TensorBoard events (when tensorboard is installed)."
     )

@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from arealcli.schema import plan, presets
 from arealcli.schema.recipe import DataflowSpec, ModelSpec, Recipe
 from arealcli.schema.registry import (
     BACKENDS,
@@ -214,11 +215,11 @@ def _check_graph(data: dict) -> list[Problem]:
                         "optimizer; add `optimizer: {lr: ...}` to its backend args",
                     )
                 )
-        for key in call.outputs:
+        for j, key in enumerate(call.outputs):
             if key in produced_by:
                 problems.append(
                     Problem(
-                        here + ("outputs",),
+                        here + ("outputs", j),
                         f"key {key!r} is already produced by call {produced_by[key]!r}",
                         key,
                     )
@@ -228,15 +229,25 @@ def _check_graph(data: dict) -> list[Problem]:
     # later call is a cycle (or a wrong order).
     dataset_keys = _dataset_keys(data.get("dataset"))
     for i, call in enumerate(calls):
-        earlier = {k for c in calls[:i] for k in c.outputs}
-        for key in call.inputs:
+        producers = {k: c for c in calls[:i] for k in c.outputs}
+        earlier = set(producers)
+        for j, key in enumerate(call.inputs):
+            if key in producers and not _covers(producers[key], call):
+                problems.append(
+                    Problem(
+                        ("dataflow", "calls", i, "inputs", j),
+                        f"key {key!r} comes from {producers[key].name!r}, which does not run at every step "
+                        f"{call.name!r} runs (check their start_step/end_step)",
+                        key,
+                    )
+                )
             if key in earlier or dataset_keys is None or key in dataset_keys:
                 continue
             later = [c.name for c in calls[i:] if key in c.outputs]
             if later:
                 problems.append(
                     Problem(
-                        ("dataflow", "calls", i, "inputs"),
+                        ("dataflow", "calls", i, "inputs", j),
                         f"key {key!r} is produced by {later[0]!r}, which runs after {call.name!r}: "
                         "the graph has a cycle or the calls are out of order",
                         key,
@@ -245,9 +256,9 @@ def _check_graph(data: dict) -> list[Problem]:
             else:
                 problems.append(
                     Problem(
-                        ("dataflow", "calls", i, "inputs"),
-                        f"key {key!r} is produced by no earlier call and not by the dataset (which provides "
-                        f"{', '.join(sorted(dataset_keys))})",
+                        ("dataflow", "calls", i, "inputs", j),
+                        f"key {key!r} is produced by no earlier call and not by the dataset"
+                        f"{suggest(key, sorted(dataset_keys | earlier))}",
                         key,
                     )
                 )
@@ -264,6 +275,15 @@ def _check_graph(data: dict) -> list[Problem]:
     if trainer.get("eval_every_n_steps") is not None and data.get("eval_dataset") is None:
         problems.append(Problem(("trainer", "eval_every_n_steps"), "evaluation needs an `eval_dataset`"))
     return problems
+
+
+def _covers(producer: Any, consumer: Any) -> bool:
+    """Does the producer run at every step the consumer runs?"""
+    if producer.start_step > consumer.start_step:
+        return False
+    if producer.end_step is None:
+        return True
+    return consumer.end_step is not None and consumer.end_step <= producer.end_step
 
 
 def _dataset_keys(raw: Any) -> frozenset[str] | None:
@@ -284,6 +304,7 @@ def validate(src: Located) -> Recipe:
     if isinstance(imports, list) and all(isinstance(m, str) for m in imports):
         for msg in import_plugins(imports):
             problems.append(Problem(("imports",), msg))
+    problems.extend(Problem(("dataflow", "preset"), msg) for msg in presets.expand_in_place(src))
     for path, registry, raw in _abstractions(data):
         problems.extend(_check_args(path, registry, raw))
     recipe = None
@@ -291,6 +312,8 @@ def validate(src: Located) -> Recipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         problems.extend(problems_from_validation_error(e, Recipe))
+    if recipe is not None:
+        problems.extend(Problem(path, msg) for path, msg in plan.plan_problems(recipe))
     problems.extend(_check_graph(data))
     if problems:
         problems.sort(key=lambda p: _line_of(src, p.path))

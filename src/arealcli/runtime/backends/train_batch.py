@@ -56,7 +56,8 @@ def accumulate_gradients(
         # Gradient averaging over ranks divides by `world`; undo it so the sum is over global weights.
         scale = world if grads_averaged_over_dp else 1
     else:
-        total, scale = local_total, 1
+        # Each rank's own token mean; the mean over ranks needs a 1/world if the backend only sums grads.
+        total, scale = local_total, (1 if grads_averaged_over_dp else 1 / world)
     stats: dict[str, float] = {}
     loss_sum = 0.0
     for mb, w in zip(mbs, weights, strict=True):

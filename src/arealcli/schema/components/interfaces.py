@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from arealcli.schema.base import StrictModel
+from arealcli.schema.components.engine import GenerationHyperparameters
 
 
 class SFTArgs(StrictModel):
@@ -16,3 +17,113 @@ class SFTArgs(StrictModel):
         "global",
         description="Average the loss over all answer tokens of the batch (global) or per rank (dp).",
     )
+
+
+class RewardShaping(StrictModel):
+    """How scores become per-token rewards; shared by the actor and the critic (keep them equal)."""
+
+    reward_bias: float = Field(0.0, description="Shaped score = clip((score - bias) * scale, -clip, +clip).")
+    reward_scaling: float = Field(1.0, description="Scale of the shaped score.")
+    max_reward_clip: float = Field(20.0, gt=0, description="Clip of the shaped score.")
+    mask_no_eos_with_zero: bool = Field(False, description="A truncated response (no EOS) scores 0.")
+    overlong_tokens: int | None = Field(None, gt=0, description="DAPO overlong penalty window (tokens).")
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, description="DAPO overlong penalty at the length limit."
+    )
+    kl_ctl: float = Field(0.0, ge=0, description="KL coefficient (initial value when adaptive).")
+    kl_in_reward: bool = Field(
+        False, description="Penalize KL in the reward (PPO) instead of in the loss (GRPO)."
+    )
+    discount: float = Field(1.0, ge=0, le=1, description="GAE gamma.")
+
+
+class PPOActorArgs(StrictModel):
+    """PPO/GRPO actor: generate, recompute log-probs (also the reference model), train with PPO."""
+
+    generation: GenerationHyperparameters = Field(
+        default_factory=GenerationHyperparameters,
+        description="Sampling for rollouts (n = samples per prompt).",
+    )
+    shaping: RewardShaping = Field(default_factory=RewardShaping, description="Reward shaping and KL.")
+    mask_too_long: bool = Field(False, description="Drop truncated responses from the loss.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="KL estimator (k1 = log r, k3 = low variance)."
+    )
+    adaptive_kl_target: float | None = Field(None, gt=0, description="Target KL of the adaptive controller.")
+    adaptive_kl_horizon: float = Field(10000, gt=0, description="Horizon of the adaptive KL controller.")
+    # --- advantages
+    gae_lambda: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    adv_norm: Literal["batch", "group", "none"] = Field(
+        "group", description="batch: over all tokens; group: per prompt group of n samples (GRPO)."
+    )
+    group_std: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="With adv_norm=group: divide by the group std, the batch std (LitePPO), or not (Dr.GRPO).",
+    )
+    leave_one_out: bool = Field(False, description="With adv_norm=group: RLOO baseline (mean of the others).")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop prompt groups whose samples all score the same."
+    )
+    # --- loss
+    eps_clip: float = Field(
+        0.2, gt=0, description="PPO ratio clip (lower side, and upper unless eps_clip_higher)."
+    )
+    eps_clip_higher: float | None = Field(None, gt=0, description="DAPO asymmetric upper clip.")
+    c_clip: float | None = Field(None, gt=1, description="Dual clip constant for negative advantages.")
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="Loss aggregation (seq-mean-token-sum-norm = Dr.GRPO)."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    temperature: float | None = Field(
+        None, gt=0, description="Logits temperature for log-probs; default: generation.temperature."
+    )
+    n_minibatches: PositiveInt = Field(
+        1, description="Optimizer steps per batch (each on a shuffled minibatch)."
+    )
+    sample_reuse: PositiveInt = Field(1, description="Passes over the batch (PPO epochs).")
+    early_stop_imp_ratio: float | None = Field(
+        None, gt=1, description="Skip a minibatch whose mean ratio exceeds this."
+    )
+    # --- evaluation
+    eval_reward_fn: str = Field("math", description="Reward used for held-out accuracy (greedy decoding).")
+    eval_max_new_tokens: PositiveInt | None = Field(None, description="Default: generation.max_new_tokens.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PPOActorArgs:
+        if self.adv_norm == "group" and self.shaping.kl_in_reward:
+            raise ValueError(
+                "adv_norm=group normalizes sequence scores per prompt group, so the KL cannot be in the reward;"
+                " set kl_in_reward: false (KL in the loss) or adv_norm: batch"
+            )
+        if self.adv_norm == "group" and self.generation.n < 2:
+            raise ValueError("adv_norm=group needs generation.n >= 2 samples per prompt (a group)")
+        if self.leave_one_out and self.adv_norm != "group":
+            raise ValueError("leave_one_out is a group baseline: set adv_norm: group")
+        return self
+
+
+class PPOCriticArgs(StrictModel):
+    """PPO critic: value inference and the clipped value loss."""
+
+    shaping: RewardShaping = Field(default_factory=RewardShaping, description="Keep equal to the actor's.")
+    value_eps_clip: float = Field(0.2, gt=0, description="Clip of the value update around the old values.")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda for the returns.")
+    n_minibatches: PositiveInt = Field(1, description="Optimizer steps per batch.")
+    sample_reuse: PositiveInt = Field(1, description="Passes over the batch.")
+
+
+class RewardArgs(StrictModel):
+    """Score responses with a registered reward function (rule-based or your own)."""
+
+    reward_fn: str = Field("math", description="Registered reward function (see `areal list rewards`).")
+
+    @field_validator("reward_fn")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from arealcli.schema.registry import REWARDS, RegistryError
+
+        try:
+            REWARDS.get(name)
+        except RegistryError as e:
+            raise ValueError(str(e)) from None
+        return name

@@ -1,0 +1,254 @@
+"""The PPO/GRPO actor: generate rollouts, recompute log-probs (also for the reference), train.
+
+One `train_step`, top to bottom:
+  scores -> shaped scores -> (KL in reward) -> GAE advantages -> normalization (batch or per group)
+  -> optional dynamic sampling -> minibatches x sample_reuse of the clipped PPO loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from arealcli.runtime.algo import functional as F
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.interfaces.base import ModelInterface
+from arealcli.runtime.interfaces.rl_common import (
+    compute_returns,
+    group_ids,
+    response_view,
+    shuffled_minibatches,
+    to_packed,
+)
+from arealcli.runtime.interfaces.sft import answer_token_mask
+from arealcli.runtime.model import Model
+from arealcli.runtime.registry import get_reward
+from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+from arealcli.schema.components.interfaces import PPOActorArgs
+
+
+def next_token_logprobs(logits: torch.Tensor, mb: SequenceSample, temperature: float) -> torch.Tensor:
+    """(tokens,) log p(x_{t+1} | x_<=t) at every position; 0 at the last position of each sequence."""
+    ids = mb.data["packed_input_ids"].to(logits.device)
+    targets = torch.roll(ids, shifts=-1)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    ends = (mb.cu_seqlens("packed_input_ids")[1:] - 1).to(logits.device)
+    return logp.index_fill(0, ends, 0.0)
+
+
+def decode_responses(tokenizer, data: SequenceSample) -> tuple[list[str], list[str]]:
+    prompts, responses = [], []
+    for ids, pm in zip(data.unpack("packed_input_ids"), data.unpack("prompt_mask"), strict=True):
+        pm = pm.bool()
+        prompts.append(tokenizer.decode(ids[pm].tolist()))
+        responses.append(tokenizer.decode(ids[~pm].tolist(), skip_special_tokens=True))
+    return prompts, responses
+
+
+class PPOActorInterface(ModelInterface):
+    """PPO/GRPO actor: generate, recompute log-probs (also the reference model), train with PPO."""
+
+    Args = PPOActorArgs
+
+    def __init__(self, args: PPOActorArgs):
+        super().__init__(args)
+        s = args.shaping
+        if args.adaptive_kl_target is not None:
+            self.kl_ctl = F.AdaptiveKLController(s.kl_ctl, args.adaptive_kl_target, args.adaptive_kl_horizon)
+        else:
+            self.kl_ctl = F.FixedKLController(s.kl_ctl)
+        self.temperature = args.temperature or (
+            1.0 if args.generation.greedy else args.generation.temperature
+        )
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        g = self.args.generation
+        rep = data.repeat_interleave(g.n)  # ids (prompt id, j), j < n
+        out = model.module.generate(rep, mb_spec, model.tokenizer, g)
+        seqs, prompt_masks, logprobs, no_eos = [], [], [], []
+        for prompt, gen, lp, trunc in zip(
+            rep.unpack("packed_prompts"), out.output_ids, out.logprobs, out.no_eos, strict=True
+        ):
+            p, n = prompt.shape[0], len(gen)
+            seqs.append(torch.cat([prompt.cpu(), torch.tensor(gen, dtype=torch.long)]))
+            prompt_masks.append(torch.tensor([True] * p + [False] * n))
+            aligned = torch.zeros(p + n)
+            aligned[p - 1 : p + n - 1] = torch.tensor(lp)  # position t holds log p(token t+1)
+            logprobs.append(aligned)
+            no_eos.append(torch.tensor([float(trunc)]))
+        return SequenceSample.from_lists(
+            rep.ids,
+            {
+                "packed_input_ids": seqs,
+                "prompt_mask": prompt_masks,
+                "packed_logprobs": logprobs,
+                "seq_no_eos_mask": no_eos,
+            },
+            {"version": [model.version.global_step] * rep.bs},
+        )
+
+    # ------------------------------------------------------------------ inference
+
+    def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        t = self.temperature
+        logp = model.module.forward(
+            data, mb_spec, post_hook=lambda logits, mb: next_token_logprobs(logits, mb, t)
+        )
+        return SequenceSample(
+            data.ids,
+            {"packed_logprobs": list(data.seqlens["packed_input_ids"])},
+            {"packed_logprobs": logp.cpu()},
+        )
+
+    # ------------------------------------------------------------------ train
+
+    def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> dict[str, float]:
+        a = self.args
+        r = compute_returns(data, a.shaping, a.gae_lambda, self.kl_ctl.value, a.generation.max_new_tokens)
+        raw = data.data["rewards"].float()  # (B,)
+        no_eos = data.data["seq_no_eos_mask"].bool()
+        mask = r.mask & ~no_eos[:, None] if a.mask_too_long else r.mask  # (B, T)
+        gid = group_ids(data)
+
+        # Advantages: (B, T)
+        if a.adv_norm == "group":
+            seq_adv = F.group_normalize(
+                r.scores,
+                gid,
+                subtract_mean=True,
+                divide_std=a.group_std == "group",
+                leave_one_out=a.leave_one_out,
+            )
+            if a.group_std == "batch":  # LitePPO: group mean, batch std
+                seq_adv = seq_adv / (r.scores.std(unbiased=False) + 1e-5)
+            adv = seq_adv[:, None] * mask
+        elif a.adv_norm == "batch":
+            adv = F.masked_normalize(r.advantages, mask)
+        else:
+            adv = r.advantages * mask
+
+        stats = {
+            "reward": float(raw.mean()),
+            "reward_std": float(raw.std(unbiased=False)),
+            "accuracy": float((raw > 0.5).float().mean()),
+            "score_shaped": float(r.scores.mean()),
+            "response_len": float(r.mask.sum(-1).float().mean()),
+            "no_eos_frac": float(no_eos.float().mean()),
+            "adv_abs": float(F.masked_mean(adv.abs(), mask)),
+            "kl_coef": self.kl_ctl.value,
+        }
+        if r.kl is not None:
+            stats["kl_ref"] = float(F.masked_mean(r.kl, r.mask))
+
+        keep = torch.ones(data.bs, dtype=torch.bool)
+        if a.dynamic_sampling:
+            keep = F.dynamic_sampling_mask(raw, gid)
+            stats["dynamic_sampling_kept"] = float(keep.float().mean())
+        train = data.select(["packed_input_ids", "prompt_mask"])
+        train.data["advantages"] = to_packed(adv, data)
+        train.data["old_logp"] = data.data["packed_logprobs"].float()
+        train.data["loss_mask"] = to_packed(mask.float(), data)
+        if "packed_ref_logprobs" in data.data:
+            train.data["ref_logp"] = data.data["packed_ref_logprobs"].float()
+        for k in ("advantages", "old_logp", "loss_mask", "ref_logp"):
+            if k in train.data:
+                train.seqlens[k] = list(train.seqlens["packed_input_ids"])
+        kept = [i for i in range(data.bs) if keep[i]]
+
+        train_stats: dict[str, float] = {}
+        n_updates = 0
+        if kept:
+            train = train.subset(kept)
+            for epoch in range(a.sample_reuse):
+                seed = model.version.global_step * 1000 + epoch
+                for idx in shuffled_minibatches(train.bs, a.n_minibatches, seed):
+                    s = model.module.train_batch(
+                        train.subset(idx),
+                        mb_spec,
+                        self._loss_fn,
+                        self._loss_weight,
+                        version_steps=model.version.global_step,
+                    )
+                    for k, v in s.items():
+                        train_stats[k] = train_stats.get(k, 0.0) + v
+                    n_updates += 1
+        stats.update({k: v / max(n_updates, 1) for k, v in train_stats.items()})
+        stats["n_updates"] = float(n_updates)
+
+        if a.adaptive_kl_target is not None and r.kl is not None:
+            seq_kl = float((r.kl * r.mask).sum(-1).mean())
+            self.kl_ctl.update(seq_kl, n_steps=data.bs)
+        model.inc_version()
+        return stats
+
+    def _action_mask(self, mb: SequenceSample) -> torch.Tensor:
+        return answer_token_mask(mb) & mb.data["loss_mask"].bool()
+
+    def _loss_weight(self, mb: SequenceSample) -> float:
+        m, _ = response_view(self._action_mask(mb).float(), mb)
+        if self.args.aggregation == "token-mean":
+            return float(m.sum())
+        return (
+            float((m.sum(-1) > 0).sum()) if self.args.aggregation == "seq-mean-token-mean" else float(mb.bs)
+        )
+
+    def _loss_fn(self, logits: torch.Tensor, mb: SequenceSample):
+        a = self.args
+        logp_tok = next_token_logprobs(logits, mb, self.temperature)  # (tokens,)
+        logp, _ = response_view(logp_tok, mb)  # (B, T)
+        old, _ = response_view(mb.data["old_logp"].to(logits.device), mb)
+        adv, _ = response_view(mb.data["advantages"].to(logits.device), mb)
+        mask, _ = response_view(mb.data["loss_mask"].to(logits.device), mb)
+        loss, stats = F.ppo_actor_loss(
+            logp,
+            old,
+            adv,
+            mask,
+            eps_clip=a.eps_clip,
+            eps_clip_higher=a.eps_clip_higher,
+            c_clip=a.c_clip,
+            aggregation=a.aggregation,
+            max_len=a.generation.max_new_tokens,
+        )
+        if "ref_logp" in mb.data and self.kl_ctl.value > 0 and not a.shaping.kl_in_reward:
+            ref, _ = response_view(mb.data["ref_logp"].to(logits.device), mb)
+            kl = F.masked_mean(F.kl_estimate(logp, ref, a.kl_estimator), mask)
+            loss = loss + self.kl_ctl.value * kl
+            stats["kl_loss"] = kl.detach()
+        act = answer_token_mask(mb).to(logits.device)
+        ent = F.entropy_from_logits(logits[act].float() / self.temperature)  # (action tokens,)
+        ent = ent.mean() if ent.numel() else logits.new_zeros(())
+        stats["entropy"] = ent.detach()
+        if a.entropy_coef > 0:
+            loss = loss - a.entropy_coef * ent
+        if a.early_stop_imp_ratio is not None and float(stats["ratio_mean"]) > a.early_stop_imp_ratio:
+            loss = loss * 0.0
+            stats["early_stopped"] = torch.tensor(1.0)
+        return loss, stats
+
+    # ------------------------------------------------------------------ evaluate / state
+
+    @torch.no_grad()
+    def evaluate(self, model: Model, loader) -> dict[str, float]:
+        """Greedy decoding on held-out prompts, scored by `eval_reward_fn`."""
+        a = self.args
+        reward_fn = get_reward(a.eval_reward_fn)
+        g = GenerationHyperparameters(
+            greedy=True,
+            max_new_tokens=a.eval_max_new_tokens or a.generation.max_new_tokens,
+            stop_token_ids=a.generation.stop_token_ids,
+        )
+        scores: list[float] = []
+        for batch in loader:
+            out = model.module.generate(batch, MicroBatchSpec(), model.tokenizer, g)
+            responses = [model.tokenizer.decode(o, skip_special_tokens=True) for o in out.output_ids]
+            scores.extend(reward_fn(batch.meta["prompt"], responses, batch.meta["answers"]))
+        t = torch.tensor(scores)
+        return {"accuracy": float((t > 0.5).float().mean()), "reward": float(t.mean())}
+
+    def state_dict(self) -> dict:
+        return {"kl_ctl": self.kl_ctl.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kl_ctl.load_state_dict(state["kl_ctl"])

@@ -1,0 +1,65 @@
+"""The PPO critic: values of every state, trained with the clipped value loss on GAE returns."""
+
+from __future__ import annotations
+
+import torch
+
+from arealcli.runtime.algo import functional as F
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.interfaces.base import ModelInterface
+from arealcli.runtime.interfaces.rl_common import (
+    compute_returns,
+    response_view,
+    shuffled_minibatches,
+    to_packed,
+)
+from arealcli.runtime.model import Model
+from arealcli.schema.components.engine import MicroBatchSpec
+from arealcli.schema.components.interfaces import PPOCriticArgs
+
+
+class PPOCriticInterface(ModelInterface):
+    """PPO critic: value inference and the clipped value loss."""
+
+    Args = PPOCriticArgs
+
+    def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        values = model.module.forward(data, mb_spec)  # (tokens,): V of the state after each token
+        return SequenceSample(
+            data.ids, {"values": list(data.seqlens["packed_input_ids"])}, {"values": values.float().cpu()}
+        )
+
+    def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> dict[str, float]:
+        a = self.args
+        r = compute_returns(data, a.shaping, a.gae_lambda, a.shaping.kl_ctl)
+        train = data.select(["packed_input_ids", "prompt_mask"])
+        for key, padded in (("returns", r.returns), ("old_values", r.values), ("loss_mask", r.mask.float())):
+            train.data[key] = to_packed(padded, data)
+            train.seqlens[key] = list(train.seqlens["packed_input_ids"])
+        stats: dict[str, float] = {}
+        n = 0
+        for epoch in range(a.sample_reuse):
+            for idx in shuffled_minibatches(
+                train.bs, a.n_minibatches, model.version.global_step * 1000 + epoch
+            ):
+                s = model.module.train_batch(
+                    train.subset(idx),
+                    mb_spec,
+                    self._loss_fn,
+                    lambda mb: float(mb.data["loss_mask"].sum()),
+                    version_steps=model.version.global_step,
+                )
+                for k, v in s.items():
+                    stats[k] = stats.get(k, 0.0) + v
+                n += 1
+        model.inc_version()
+        out = {k: v / max(n, 1) for k, v in stats.items()}
+        out["returns_mean"] = float(F.masked_mean(r.returns, r.mask))
+        return out
+
+    def _loss_fn(self, values: torch.Tensor, mb: SequenceSample):
+        v, _ = response_view(values.float(), mb)  # (B, T)
+        old, _ = response_view(mb.data["old_values"].to(values.device), mb)
+        ret, _ = response_view(mb.data["returns"].to(values.device), mb)
+        mask, _ = response_view(mb.data["loss_mask"].to(values.device), mb)
+        return F.critic_loss(v, old, ret, mask, value_eps_clip=self.args.value_eps_clip)

@@ -1,0 +1,119 @@
+"""Shared by the actor and the critic: response views of packed data, shaped rewards, GAE returns.
+
+Per-token keys are aligned with `packed_input_ids`: position t of a sequence holds the quantity of the
+*action* that produces token t+1 (its log-prob, the value of the state before it); the last position
+holds the value of the final state (used to bootstrap a truncated response) and 0 for log-probs. The
+action positions of a sequence with P prompt tokens and L tokens are P-1 .. L-2 (`answer_token_mask`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from arealcli.runtime.algo import functional as F
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.interfaces.sft import answer_token_mask
+from arealcli.schema.components.interfaces import RewardShaping
+
+
+def response_view(x: torch.Tensor, mb: SequenceSample) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed per-token `x` (tokens,) -> its action positions as (B, T) right-padded, and the mask."""
+    act = answer_token_mask(mb).to(x.device)
+    lens = mb.seqlens["packed_input_ids"]
+    rows = [xi[ai] for xi, ai in zip(x.split(lens), act.split(lens), strict=True)]
+    t = max((r.shape[0] for r in rows), default=0)
+    out = x.new_zeros(len(rows), t)
+    mask = torch.zeros(len(rows), t, dtype=torch.bool, device=x.device)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+        mask[i, : r.shape[0]] = True
+    return out, mask
+
+
+def to_packed(padded: torch.Tensor, mb: SequenceSample) -> torch.Tensor:
+    """Inverse of `response_view`: (B, T) at action positions -> packed (tokens,), 0 elsewhere."""
+    act = answer_token_mask(mb).to(padded.device)
+    counts = [int(a.sum()) for a in act.split(mb.seqlens["packed_input_ids"])]
+    out = padded.new_zeros(act.shape[0])
+    out[act] = torch.cat([padded[i, :c] for i, c in enumerate(counts)])
+    return out
+
+
+def final_state_values(values: torch.Tensor, mb: SequenceSample) -> torch.Tensor:
+    """(B,) value at the last position of each sequence (the state after the last token)."""
+    ends = mb.cu_seqlens("packed_input_ids")[1:] - 1
+    return values[ends.to(values.device)]
+
+
+@dataclass
+class Returns:
+    scores: torch.Tensor  # (B,) shaped sequence scores
+    mask: torch.Tensor  # (B, T) action mask
+    kl: torch.Tensor | None  # (B, T) k1 KL of the behaviour policy to the reference
+    advantages: torch.Tensor  # (B, T) GAE advantages (not normalized)
+    returns: torch.Tensor  # (B, T)
+    values: torch.Tensor  # (B, T)
+
+
+def shaped_scores(
+    raw: torch.Tensor,
+    no_eos: torch.Tensor,
+    resp_len: torch.Tensor,
+    s: RewardShaping,
+    max_new_tokens: int | None,
+):
+    """(B,) scores after the optional no-EOS zeroing, DAPO overlong penalty, bias/scale/clip."""
+    scores = raw.float()
+    if s.mask_no_eos_with_zero:
+        scores = torch.where(no_eos, torch.zeros_like(scores), scores)
+    if s.overlong_tokens is not None and max_new_tokens is not None:
+        scores = scores + F.overlong_penalty(
+            resp_len, max_new_tokens, s.overlong_tokens, s.overlong_penalty_factor
+        )
+    return F.shape_scores(scores, s.reward_bias, s.reward_scaling, s.max_reward_clip)
+
+
+def compute_returns(
+    data: SequenceSample,
+    s: RewardShaping,
+    gae_lambda: float,
+    kl_coef: float,
+    max_new_tokens: int | None = None,
+) -> Returns:
+    old_logp, mask = response_view(data.data["packed_logprobs"].float(), data)  # (B, T)
+    no_eos = data.data["seq_no_eos_mask"].bool()  # (B,)
+    resp_len = mask.sum(-1)
+    scores = shaped_scores(data.data["rewards"], no_eos, resp_len, s, max_new_tokens)
+    kl = None
+    if "packed_ref_logprobs" in data.data:
+        ref_logp, _ = response_view(data.data["packed_ref_logprobs"].float(), data)
+        kl = F.kl_estimate(old_logp, ref_logp, "k1") * mask
+    if "values" in data.data:
+        values, _ = response_view(data.data["values"].float(), data)
+        # bootstrap from the final state's value only for truncated responses
+        bootstrap = torch.where(
+            no_eos, final_state_values(data.data["values"].float(), data), torch.zeros_like(scores)
+        )
+    else:
+        values, bootstrap = torch.zeros_like(old_logp), torch.zeros_like(scores)
+    rewards = F.token_rewards(
+        scores, mask, kl if s.kl_in_reward else None, kl_coef if s.kl_in_reward else 0.0
+    )
+    adv, ret = F.gae(rewards, values, mask, bootstrap, s.discount, gae_lambda)
+    return Returns(scores, mask, kl, adv, ret, values)
+
+
+def group_ids(data: SequenceSample) -> torch.Tensor:
+    """(B,) prompt group of each sample: generated samples have ids (prompt id, j)."""
+    keys = [i[0] if isinstance(i, tuple) else i for i in data.ids]
+    index: dict = {}
+    return torch.tensor([index.setdefault(k, len(index)) for k in keys], dtype=torch.long)
+
+
+def shuffled_minibatches(n: int, n_minibatches: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n, generator=g).tolist()
+    size = -(-n // n_minibatches)
+    return [sorted(perm[i : i + size]) for i in range(0, n, size)]

@@ -1,0 +1,58 @@
+"""The batch plan of a recipe: prompts x samples per prompt -> minibatches -> optimizer steps."""
+
+from __future__ import annotations
+
+from arealcli.schema.recipe import Recipe
+
+
+def samples_per_step(recipe: Recipe) -> tuple[int, int]:
+    """(prompts per step, samples per prompt) — n of the first generate call, else 1."""
+    n = 1
+    for call in recipe.dataflow.calls:
+        if call.type == "generate":
+            n = int((call.interface.args.get("generation") or {}).get("n", 1))
+            break
+    return recipe.dataset.batch_size, n
+
+
+def plan_lines(recipe: Recipe) -> list[str]:
+    prompts, n = samples_per_step(recipe)
+    lines = [f"batch: {prompts} prompts x {n} samples = {prompts * n} sequences per step"]
+    for call in recipe.dataflow.calls:
+        if call.type != "train_step":
+            continue
+        args = call.interface.args
+        mbs = int(args.get("n_minibatches", 1))
+        reuse = int(args.get("sample_reuse", 1))
+        size = prompts * n if call.interface.type_ != "sft" else prompts
+        mb = call.mb_spec
+        split = f">= {mb.n_mbs} micro-batch(es)" + (
+            f" of <= {mb.max_tokens_per_mb} tokens" if mb.max_tokens_per_mb else ""
+        )
+        when = ""
+        if call.start_step or call.end_step:
+            when = f" (steps {call.start_step}..{call.end_step - 1 if call.end_step else 'end'})"
+        lines.append(
+            f"{call.name}{when}: {size} sequences -> {mbs} minibatch(es) of {size // mbs} x {reuse} pass(es)"
+            f" = {mbs * reuse} optimizer step(s) per training step; each minibatch in {split}"
+        )
+    return lines
+
+
+def plan_problems(recipe: Recipe) -> list[tuple[tuple, str]]:
+    """Divisibility rules: every minibatch gets the same number of sequences."""
+    prompts, n = samples_per_step(recipe)
+    out = []
+    for i, call in enumerate(recipe.dataflow.calls):
+        if call.type != "train_step" or call.interface.type_ == "sft":
+            continue
+        mbs = int(call.interface.args.get("n_minibatches", 1))
+        if (prompts * n) % mbs:
+            out.append(
+                (
+                    ("dataflow", "calls", i, "interface", "args", "n_minibatches"),
+                    f"{prompts} prompts x {n} samples = {prompts * n} sequences do not split into {mbs} equal "
+                    "minibatches; change dataset.batch_size or n_minibatches",
+                )
+            )
+    return out
