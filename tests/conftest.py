@@ -1,0 +1,152 @@
+"""Shared fixtures: a char tokenizer, tiny models built from a config, toy JSONL data, small recipes.
+
+Everything here is CPU-only and small (hidden 32, 2 layers) so the suite runs in seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import string
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A Qwen2-shaped model small enough to train for dozens of steps in a second or two.
+TINY_ARCH: dict[str, Any] = {
+    "family": "qwen2",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+}
+
+
+def toy_rows() -> list[dict[str, str]]:
+    """`c:` -> the next four letters after c (a pattern a tiny model learns in a few dozen steps)."""
+    rows = []
+    for alphabet in (string.ascii_lowercase, string.ascii_uppercase):
+        for i in range(len(alphabet) - 4):
+            rows.append({"prompt": f"{alphabet[i]}:", "answer": alphabet[i + 1 : i + 5]})
+    return rows  # 44 rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def sft_recipe(**update: Any) -> dict[str, Any]:
+    """A small SFT recipe (as data) over `train.jsonl` / `test.jsonl` next to the recipe file."""
+    base = {
+        "experiment": "tiny-sft",
+        "seed": 3,
+        "tokenizer": {"kind": "char"},
+        "models": {
+            "default": {
+                "config": TINY_ARCH,
+                "backend": {
+                    "type_": "hf",
+                    "args": {
+                        "device": "cpu",
+                        "optimizer": {
+                            "lr": 1e-2,
+                            "lr_scheduler": "cosine",
+                            "warmup_steps_proportion": 0.2,
+                            "min_lr_ratio": 0.1,
+                        },
+                    },
+                },
+            }
+        },
+        "dataset": {"type_": "prompt_answer", "args": {"path": "train.jsonl"}, "batch_size": 8},
+        "dataflow": {
+            "calls": [
+                {
+                    "name": "sft",
+                    "model": "default",
+                    "interface": {"type_": "sft"},
+                    "type": "train_step",
+                    "inputs": ["packed_input_ids", "prompt_mask"],
+                    "mb_spec": {"n_mbs": 2},
+                }
+            ]
+        },
+        "trainer": {"total_train_epochs": 1, "tensorboard": False},
+    }
+    return deep_merge(base, update)
+
+
+class Workspace:
+    """A temporary directory holding toy data and the recipes a test writes."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        write_jsonl(root / "train.jsonl", toy_rows())
+        write_jsonl(root / "test.jsonl", toy_rows()[::4])
+
+    def recipe(self, name: str = "recipe.yaml", **update: Any) -> Path:
+        path = self.root / name
+        path.write_text(yaml.safe_dump(sft_recipe(**update), sort_keys=False))
+        return path
+
+    def text(self, name: str, text: str) -> Path:
+        path = self.root / name
+        path.write_text(text)
+        return path
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Workspace:
+    return Workspace(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def char_tok():
+    from arealcli.runtime.tokenizer import char_tokenizer
+
+    return char_tokenizer()
+
+
+def tiny_module(tokenizer, seed: int = 0, **arch: Any):
+    """A fp32 Qwen2 causal LM with random weights (from the same config path the recipes use)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from arealcli.runtime.model import hf_config_from_arch
+    from arealcli.schema.recipe import ModelArchConfig
+
+    torch.manual_seed(seed)
+    config = hf_config_from_arch(ModelArchConfig(**{**TINY_ARCH, **arch}), tokenizer)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.fixture
+def cli():
+    """Invoke the `areal` app in-process; returns click's Result (stdout and stderr kept apart)."""
+    from typer.testing import CliRunner
+
+    from arealcli.main import app
+
+    runner = CliRunner()
+
+    def invoke(*args: str | Path):
+        return runner.invoke(app, [str(a) for a in args])
+
+    return invoke
