@@ -1,0 +1,124 @@
+"""The RL interfaces on a tiny model: data alignment, advantages, and that training moves the right way."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from arealcli.runtime.backends.hf import HFBackend
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
+from arealcli.runtime.interfaces.ppo_critic import PPOCriticInterface
+from arealcli.runtime.interfaces.reward import RewardInterface
+from arealcli.runtime.interfaces.rl_common import compute_returns, response_view, to_packed
+from arealcli.runtime.model import FinetuneSpec, Model
+from arealcli.runtime.value_head import with_value_head
+from arealcli.schema.components.backends import HFBackendArgs
+from arealcli.schema.components.engine import MicroBatchSpec
+from arealcli.schema.components.interfaces import PPOActorArgs, PPOCriticArgs, RewardArgs
+from tests.conftest import tiny_module
+
+SPEC = FinetuneSpec(1, 8, 8, 100)
+
+
+def engine_model(tok, module, lr=1e-2, optimizer="adamw"):
+    args = HFBackendArgs(device="cpu", optimizer={"lr": lr, "type": optimizer, "gradient_clipping": None})
+    return HFBackend(args).initialize(Model("actor", module, tok), SPEC)
+
+
+def prompts(tok, texts):
+    ids = [torch.tensor(tok(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    return SequenceSample.from_lists(
+        list(range(len(texts))), {"packed_prompts": ids}, {"prompt": texts, "answers": [["7"]] * len(texts)}
+    )
+
+
+@pytest.fixture
+def actor(char_tok):
+    return engine_model(char_tok, tiny_module(char_tok, seed=1, tie_word_embeddings=False))
+
+
+def test_generate_logprobs_align_with_recomputed_logprobs(char_tok, actor):
+    iface = PPOActorInterface(PPOActorArgs(generation={"n": 3, "max_new_tokens": 5}, adv_norm="none"))
+    torch.manual_seed(0)
+    out = iface.generate(actor, prompts(char_tok, ["3+4=", "1+1=", "9+0="]), MicroBatchSpec())
+    assert out.bs == 9 and out.ids[:3] == [(0, 0), (0, 1), (0, 2)]
+    recomputed = iface.inference(actor, out, MicroBatchSpec(n_mbs=2)).data["packed_logprobs"]
+    gen, mask = response_view(out.data["packed_logprobs"], out)
+    rec, _ = response_view(recomputed, out)
+    # the behaviour log-probs sit at the positions that predict each response token
+    torch.testing.assert_close(gen[mask], rec[mask], atol=1e-4, rtol=0)
+    assert mask.sum(-1).tolist() == [len(x) - p for x, p in zip(out.unpack("packed_input_ids"),
+                                                                [int(m.sum()) for m in out.unpack("prompt_mask")])]
+    no_eos = out.data["seq_no_eos_mask"].bool()
+    assert all(mask[i].sum() == 5 for i in range(9) if no_eos[i])
+
+
+def test_response_view_round_trip(char_tok, actor):
+    iface = PPOActorInterface(PPOActorArgs(generation={"n": 2, "max_new_tokens": 4}, adv_norm="none"))
+    out = iface.generate(actor, prompts(char_tok, ["12+3=", "4="]), MicroBatchSpec())
+    x = torch.randn(out.data["packed_input_ids"].shape[0])
+    view, mask = response_view(x, out)
+    back = to_packed(view, out)
+    act = back != 0
+    torch.testing.assert_close(back[act], x[act])
+    assert int(mask.sum()) == int(act.sum())
+
+
+def _rollout(char_tok, actor, rewards, n=4):
+    iface = PPOActorInterface(PPOActorArgs(generation={"n": n, "max_new_tokens": 3}))
+    data = iface.generate(actor, prompts(char_tok, ["5+2=", "3+3="]), MicroBatchSpec())
+    data.data["rewards"] = torch.tensor(rewards, dtype=torch.float32)
+    data.seqlens["rewards"] = [1] * data.bs
+    return iface, data
+
+
+def test_identical_rewards_in_every_group_give_no_update(char_tok):
+    model = engine_model(char_tok, tiny_module(char_tok, seed=2), optimizer="sgd")
+    iface, data = _rollout(char_tok, model, [1.0] * 8)
+    before = copy.deepcopy(model.module.module.state_dict())
+    stats = iface.train_step(model, data, MicroBatchSpec())
+    assert stats["adv_abs"] == 0.0
+    for k, v in model.module.module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_grpo_step_raises_logprob_of_rewarded_samples(char_tok):
+    model = engine_model(char_tok, tiny_module(char_tok, seed=3), lr=5e-3, optimizer="sgd")
+    iface, data = _rollout(char_tok, model, [1, 0, 0, 0, 0, 0, 0, 1])
+    lp_before, mask = response_view(iface.inference(model, data, MicroBatchSpec()).data["packed_logprobs"], data)
+    stats = iface.train_step(model, data, MicroBatchSpec(n_mbs=3))
+    lp_after, _ = response_view(iface.inference(model, data, MicroBatchSpec()).data["packed_logprobs"], data)
+    delta = ((lp_after - lp_before) * mask).sum(-1)  # (B,) change of each sequence's log-prob
+    assert delta[0] > 0 and delta[7] > 0
+    assert delta[[1, 2, 3, 4, 5, 6]].mean() < 0
+    assert model.version.global_step == 1 and stats["n_updates"] == 1
+
+
+def test_critic_learns_returns(char_tok, actor):
+    iface, data = _rollout(char_tok, actor, [1, 1, 1, 1, 0, 0, 0, 0])  # learnable from the prompt
+    # treat every response as finished: a truncated one bootstraps from the critic's own final value
+    data.data["seq_no_eos_mask"] = torch.zeros(data.bs)
+    critic_module = with_value_head(tiny_module(char_tok, seed=4), seed=0)
+    critic = engine_model(char_tok, critic_module, lr=3e-2)
+    c = PPOCriticInterface(PPOCriticArgs(gae_lambda=1.0, value_eps_clip=10.0))
+    losses = []
+    for _ in range(15):
+        values = c.inference(critic, data, MicroBatchSpec())
+        data.update_(values)
+        losses.append(c.train_step(critic, data, MicroBatchSpec(n_mbs=2))["loss"])
+    assert losses[-1] < 0.3 * losses[0]
+    # with gamma = lambda = 1 and no KL the return of every token is the sequence's score
+    r = compute_returns(data, c.args.shaping, 1.0, 0.0)
+    torch.testing.assert_close(r.returns[r.mask], data.data["rewards"][:, None].expand_as(r.mask)[r.mask])
+
+
+def test_reward_interface_scores_with_registered_function(char_tok):
+    seqs = [torch.tensor(char_tok("2+5=7", add_special_tokens=False)["input_ids"] + [char_tok.eos_token_id]),
+            torch.tensor(char_tok("2+5=8", add_special_tokens=False)["input_ids"])]
+    pm = [torch.tensor([True] * 4 + [False] * (len(s) - 4)) for s in seqs]
+    data = SequenceSample.from_lists([0, 1], {"packed_input_ids": seqs, "prompt_mask": pm}, {"answers": [["7"], ["7"]]})
+    out = RewardInterface(RewardArgs(reward_fn="exact_match")).inference(Model("r", None, char_tok), data, MicroBatchSpec())
+    assert out.data["rewards"].tolist() == [1.0, 0.0]
