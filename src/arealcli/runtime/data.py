@@ -28,6 +28,8 @@ class SequenceSample:
     seqlens: dict[str, list[int]] = field(default_factory=dict)
     data: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, list[Any]] = field(default_factory=dict)
+    # Derived per-batch values (e.g. index tensors) computed once by whoever needs them.
+    cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for key, lens in self.seqlens.items():

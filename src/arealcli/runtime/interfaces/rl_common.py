@@ -18,26 +18,42 @@ from arealcli.runtime.interfaces.sft import answer_token_mask
 from arealcli.schema.components.interfaces import RewardShaping
 
 
+def action_index(mb: SequenceSample) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) indices into the packed tokens of each sequence's action positions, and their mask.
+
+    Computed once per micro-batch (cached on it): every response view is then one gather.
+    """
+    cached = mb.cache.get("action_index")
+    if cached is not None:
+        return cached
+    act = answer_token_mask(mb)  # (tokens,)
+    pos = act.nonzero().squeeze(-1)  # (A,) packed positions of all actions, sample by sample
+    cu = mb.cu_seqlens("packed_input_ids")
+    sample = torch.searchsorted(cu[1:], pos, right=True)  # (A,) which sequence each action is in
+    counts = torch.bincount(sample, minlength=mb.bs)  # (B,)
+    first = torch.nn.functional.pad(counts.cumsum(0), (1, 0))[:-1]  # (B,) index of each row's first action
+    col = torch.arange(pos.shape[0]) - first[sample]  # (A,) column within the row
+    t = int(counts.max()) if mb.bs else 0
+    index = torch.zeros(mb.bs, t, dtype=torch.long)
+    mask = torch.zeros(mb.bs, t, dtype=torch.bool)
+    index[sample, col] = pos
+    mask[sample, col] = True
+    mb.cache["action_index"] = (index, mask)
+    return index, mask
+
+
 def response_view(x: torch.Tensor, mb: SequenceSample) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed per-token `x` (tokens,) -> its action positions as (B, T) right-padded, and the mask."""
-    act = answer_token_mask(mb).to(x.device)
-    lens = mb.seqlens["packed_input_ids"]
-    rows = [xi[ai] for xi, ai in zip(x.split(lens), act.split(lens), strict=True)]
-    t = max((r.shape[0] for r in rows), default=0)
-    out = x.new_zeros(len(rows), t)
-    mask = torch.zeros(len(rows), t, dtype=torch.bool, device=x.device)
-    for i, r in enumerate(rows):
-        out[i, : r.shape[0]] = r
-        mask[i, : r.shape[0]] = True
-    return out, mask
+    index, mask = action_index(mb)
+    index, mask = index.to(x.device), mask.to(x.device)
+    return x[index] * mask.to(x.dtype) if x.is_floating_point() else x[index] * mask, mask
 
 
 def to_packed(padded: torch.Tensor, mb: SequenceSample) -> torch.Tensor:
     """Inverse of `response_view`: (B, T) at action positions -> packed (tokens,), 0 elsewhere."""
-    act = answer_token_mask(mb).to(padded.device)
-    counts = [int(a.sum()) for a in act.split(mb.seqlens["packed_input_ids"])]
-    out = padded.new_zeros(act.shape[0])
-    out[act] = torch.cat([padded[i, :c] for i, c in enumerate(counts)])
+    index, mask = action_index(mb)
+    out = padded.new_zeros(int(sum(mb.seqlens["packed_input_ids"])))
+    out[index.to(padded.device)[mask]] = padded[mask.to(padded.device)]
     return out
 
 

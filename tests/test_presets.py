@@ -1,0 +1,71 @@
+"""Dataflow presets expand to the full graph, keep error positions, and validate like written graphs."""
+
+from __future__ import annotations
+
+import yaml
+
+from arealcli.schema.source import load_recipe_source
+from arealcli.schema.validate import RecipeInvalid, validate
+from tests.conftest import REPO
+
+
+def _calls(path, *overrides):
+    from arealcli.schema.source import apply_overrides
+
+    return validate(apply_overrides(load_recipe_source(path), list(overrides))).dataflow.calls
+
+
+def test_grpo_preset_graph():
+    calls = _calls(REPO / "recipes" / "quickstart.yaml")
+    assert [c.name for c in calls] == ["sft_warmup", "actor_gen", "reward", "actor_train"]
+    warm, gen, reward, train = calls
+    assert warm.end_step == gen.start_step == train.start_step > 0
+    assert reward.model is None and reward.interface.type_ == "reward"
+    assert set(gen.outputs) <= set(train.inputs)
+
+
+def test_ppo_preset_adds_critic_and_reference(tmp_path):
+    recipe = yaml.safe_load((REPO / "recipes" / "ppo-quickstart.yaml").read_text())
+    recipe["models"]["ref"] = {"init_from": "actor"}
+    recipe["dataset"]["args"]["path"] = str(REPO / "data" / "max3" / "train.jsonl")
+    recipe["eval_dataset"]["args"]["path"] = str(REPO / "data" / "max3" / "test.jsonl")
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    calls = {c.name: c for c in _calls(path)}
+    assert list(calls) == ["sft_warmup", "actor_gen", "reward", "ref_inf", "critic_inf", "actor_train", "critic_train"]
+    assert calls["ref_inf"].output_key_remap == {"packed_logprobs": "packed_ref_logprobs"}
+    assert {"values", "packed_ref_logprobs"} <= set(calls["actor_train"].inputs)
+
+
+def test_preset_args_errors_point_at_the_preset_lines(tmp_path):
+    text = (REPO / "recipes" / "quickstart.yaml").read_text()
+    text = text.replace("    eps_clip: 0.2", "    eps_clipp: 0.2")
+    path = tmp_path / "q.yaml"
+    path.write_text(text.replace("../data", str(REPO / "data")))
+    try:
+        validate(load_recipe_source(path))
+    except RecipeInvalid as e:
+        lines = e.lines()
+    else:
+        raise AssertionError("expected a problem")
+    line_no = next(i for i, line in enumerate(text.splitlines(), 1) if "eps_clipp" in line)
+    assert len(lines) == 2  # generate and train calls share the actor args
+    assert all(f":{line_no}:" in line and "did you mean 'eps_clip'" in line for line in lines)
+
+
+def test_minibatch_divisibility_is_checked():
+    try:
+        _calls(REPO / "recipes" / "quickstart.yaml", "dataflow.actor.n_minibatches=3")
+    except RecipeInvalid as e:
+        assert "do not split into 3 equal minibatches" in str(e)
+    else:
+        raise AssertionError("expected a problem")
+
+
+def test_group_normalization_needs_groups():
+    try:
+        _calls(REPO / "recipes" / "quickstart.yaml", "dataflow.actor.generation.n=1")
+    except RecipeInvalid as e:
+        assert "adv_norm=group needs generation.n >= 2" in str(e)
+    else:
+        raise AssertionError("expected a problem")
