@@ -146,7 +146,7 @@ def test_overrides_change_the_resolved_recipe(ws, cli):
     assert resolved["models"]["default"]["backend"]["args"]["optimizer"]["lr"] == 0.5
     assert resolved["dataset"]["args"]["path"].endswith("a-long-directory-name/train.jsonl")
     # Defaults are resolved too.
-    assert resolved["dataflow"]["calls"][0]["interface"]["args"] == {"token_normalize_scope": "global"}
+    assert resolved["dataflow"]["calls"][0]["interface"]["args"] == {"token_normalize_scope": "global", "lr_scale": 1.0}
     assert resolved["models"]["default"]["backend"]["args"]["dtype"] == "float32"
 
 
@@ -312,7 +312,7 @@ def test_list_json_describes_builtins(cli):
     payload = json.loads(result.stdout)
     sft = {e["name"]: e for e in payload["interfaces"]}["sft"]
     assert sft["call_types"] == ["train_step"]
-    assert [a["name"] for a in sft["args"]] == ["token_normalize_scope"]
+    assert [a["name"] for a in sft["args"]] == ["token_normalize_scope", "lr_scale"]
     hf = {e["name"]: e for e in payload["backends"]}["hf"]
     assert {"device", "dtype", "optimizer"} <= {a["name"] for a in hf["args"]}
     ds = {e["name"]: e for e in payload["datasets"]}["prompt_answer"]

@@ -4,6 +4,7 @@ import typer
 
 from arealcli.commands.check import check
 from arealcli.commands.list_ import list_
+from arealcli.commands.serve import serve
 from arealcli.commands.train import train
 
 app = typer.Typer(
@@ -16,6 +17,7 @@ app = typer.Typer(
 app.command("train")(train)
 app.command("check")(check)
 app.command("list")(list_)
+app.command("serve")(serve)
 
 if __name__ == "__main__":
     app()

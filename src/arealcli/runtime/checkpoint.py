@@ -2,6 +2,8 @@
 
 Layout: `<run>/checkpoints/step_00000010/{<model>/ (HF export + engine_state.pt), trainer_state.pt}`.
 A crash mid-write leaves only a `.tmp-*` directory, which resume ignores and removes.
+Over several processes every rank writes its part into the temporary directory; rank 0 ("main")
+creates it and, after all ranks are done, publishes it.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +45,37 @@ def _fsync_tree(path: Path) -> None:
                 os.fsync(f.fileno())
 
 
-def write_checkpoint(ckpt_root: Path, step: int, write_fn, keep_last: int) -> Path:
-    """Call `write_fn(tmp_dir)` then publish the directory atomically; prune old checkpoints."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
+def write_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    write_fn,
+    keep_last: int,
+    *,
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> Path:
+    """Call `write_fn(tmp_dir)` then publish the directory atomically; prune old checkpoints.
+
+    Over several processes every rank calls this: the main rank prepares and publishes, `barrier`
+    (a collective) orders the steps, and every rank's `write_fn` writes into the same directory.
+    """
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f".tmp-{final.name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    if is_main:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
     write_fn(tmp)
+    barrier()
+    if is_main:
+        _publish(ckpt_root, tmp, final, keep_last)
+    barrier()
+    return final
+
+
+def _publish(ckpt_root: Path, tmp: Path, final: Path, keep_last: int) -> None:
     _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -60,14 +85,16 @@ def write_checkpoint(ckpt_root: Path, step: int, write_fn, keep_last: int) -> Pa
     os.replace(latest_tmp, ckpt_root / LATEST)
     for old in sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())[:-keep_last]:
         shutil.rmtree(old)
-    return final
 
 
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest complete checkpoint (LATEST, else the highest step_* directory)."""
+def latest_checkpoint(ckpt_root: Path, cleanup: bool = True) -> Path | None:
+    """The newest complete checkpoint (LATEST, else the highest step_* directory).
+
+    With `cleanup`, leftover temporary directories of interrupted writes are removed.
+    """
     if not ckpt_root.exists():
         return None
-    for tmp in ckpt_root.glob(".tmp-*"):
+    for tmp in ckpt_root.glob(".tmp-*") if cleanup else ():
         shutil.rmtree(tmp, ignore_errors=True)
     marker = ckpt_root / LATEST
     if marker.exists():

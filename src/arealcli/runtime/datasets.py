@@ -100,8 +100,17 @@ class Batches:
         idx = self.order(epoch)[step * self.batch_size : (step + 1) * self.batch_size]
         return self.dataset.collate(idx)
 
-    def all_batches(self):
-        """Every row once, in order (evaluation); the last batch may be smaller."""
+    def all_batches(self, min_size: int = 1):
+        """Every row once, in order (evaluation); the last batch may be smaller.
+
+        A last batch of fewer than `min_size` rows joins the one before it (so that a batch split over
+        `min_size` ranks gives every rank at least one row).
+        """
         n = len(self.dataset)
-        for start in range(0, n, self.batch_size):
-            yield self.dataset.collate(list(range(start, min(n, start + self.batch_size))))
+        if n < min_size:
+            raise ValueError(f"the evaluation dataset has {n} rows, fewer than the {min_size} processes")
+        starts = list(range(0, n, self.batch_size))
+        if len(starts) > 1 and n - starts[-1] < min_size:
+            starts.pop()
+        for start, end in zip(starts, [*starts[1:], n], strict=True):
+            yield self.dataset.collate(list(range(start, end)))

@@ -8,6 +8,7 @@ Returns, per sample, the generated ids, the log-prob of each under the sampling 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ class GenerationResult:
     output_ids: list[list[int]]
     logprobs: list[list[float]]
     no_eos: list[bool]
+    versions: list[int] | None = None  # policy version that generated each sample (servers report it)
 
 
 def process_logits(logits: torch.Tensor, g: GenerationHyperparameters) -> torch.Tensor:
@@ -54,8 +56,16 @@ def _cache_of(out):
 
 @torch.no_grad()
 def generate(
-    module, prompts: list[list[int]], g: GenerationHyperparameters, eos_ids: set[int], pad_id: int, device
+    module,
+    prompts: list[list[int]],
+    g: GenerationHyperparameters,
+    eos_ids: set[int],
+    pad_id: int,
+    device,
+    should_abort: Callable[[], bool] | None = None,
 ) -> GenerationResult:
+    """`should_abort()` is polled before every decode step; when it returns True the samples stop where
+    they are (a server aborting requests for a weight update)."""
     B = len(prompts)
     P = max(len(p) for p in prompts)
     ids = torch.full((B, P), pad_id, dtype=torch.long, device=device)
@@ -81,6 +91,8 @@ def generate(
         logps.append(logp)
         finished = finished | torch.isin(token, stop)
         if bool(finished.all()) or t == g.max_new_tokens - 1:
+            break
+        if should_abort is not None and should_abort():
             break
         attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
         pos = pos[:, -1:] + 1

@@ -25,6 +25,7 @@ class FinetuneSpec:
     dataset_size: int
     train_batch_size: int
     total_train_steps: int
+    run_dir: str | None = None  # where backends put what they write (server logs, exported weights)
 
 
 @dataclass

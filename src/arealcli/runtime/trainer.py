@@ -1,4 +1,11 @@
-"""The trainer: setup (models, backends, interfaces, data), the step loop, checkpoints, close."""
+"""The trainer: setup (models, backends, interfaces, data), the step loop, checkpoints, close.
+
+Data parallel when torch.distributed is initialized (`areal train --nproc-per-node N`): every rank
+builds the same models, takes its contiguous slice of each step's global batch (`dataset.batch_size`
+prompts, whatever the world size) and of each evaluation batch; stats are averaged over ranks; rank 0
+alone writes metrics, samples and checkpoint metadata, while every rank takes part in the (collective)
+saves of the backends.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +18,14 @@ import torch
 import yaml
 
 from arealcli.runtime import checkpoint as ckpt
+from arealcli.runtime import distributed
 from arealcli.runtime.dataflow import Call, run_calls
 from arealcli.runtime.datasets import Batches
 from arealcli.runtime.metrics import JSONLSink, MetricLogger, tensorboard_sink
 from arealcli.runtime.model import FinetuneSpec, Model, build_module
 from arealcli.runtime.registry import make_backend, make_dataset, make_interface
 from arealcli.runtime.tokenizer import load_tokenizer
+from arealcli.runtime.weight_sync import WeightSync
 from arealcli.schema.recipe import Recipe
 
 
@@ -35,6 +44,8 @@ class Trainer:
         self.recipe, self.recipe_dir, self.run_dir, self.resume = recipe, recipe_dir, run_dir, resume
         self.progress = progress  # callable(step, total, stats) for the console, or None
         self.global_step = 0
+        self.rank, self.world = distributed.rank(), distributed.world()
+        self.saved_step: int | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -43,10 +54,9 @@ class Trainer:
 
         hf_logging.disable_progress_bar()
         r = self.recipe
-        torch.manual_seed(r.seed)
-        random.seed(r.seed)
+        seed_rank(r.seed, self.rank)  # weights are seeded per model (the same on every rank)
         self.ckpt_root = self.run_dir / "checkpoints"
-        resume_from = ckpt.latest_checkpoint(self.ckpt_root) if self.resume else None
+        resume_from = ckpt.latest_checkpoint(self.ckpt_root, cleanup=self.rank == 0) if self.resume else None
 
         first_path = next((m.path for m in r.models.values() if m.path), None)
         self.tokenizer = load_tokenizer(r.tokenizer, first_path and self._resolve(first_path))
@@ -60,7 +70,11 @@ class Trainer:
         epochs_steps = r.trainer.total_train_epochs * self.batches.steps_per_epoch
         self.total_steps = r.trainer.max_steps or epochs_steps
         spec = FinetuneSpec(
-            r.trainer.total_train_epochs, len(self.dataset), r.dataset.batch_size, self.total_steps
+            r.trainer.total_train_epochs,
+            len(self.dataset),
+            r.dataset.batch_size,
+            self.total_steps,
+            run_dir=str(self.run_dir),
         )
 
         self.trained = {c.model for c in r.dataflow.calls if c.type == "train_step" and c.model}
@@ -81,6 +95,8 @@ class Trainer:
                 model.backend.load(model, str(resume_from / name))
             self.models[name] = model
 
+        if r.dataset.batch_size % distributed.dp_world():  # known once the backends are set up
+            raise ValueError(batch_size_problem(r.dataset.batch_size, distributed.dp_world()))
         weightless = Model("<weightless>", None, self.tokenizer)  # for calls with `model: null`
         self.calls = [
             Call(c, make_interface(c.interface), self.models[c.model] if c.model else weightless)
@@ -94,14 +110,24 @@ class Trainer:
             for call, cstate in zip(self.calls, state["interfaces"], strict=True):
                 if cstate is not None:
                     call.interface.load_state_dict(cstate)
-            ckpt.set_rng_state(state["rng"])
+            per_rank = state.get("rng_per_rank") or [state["rng"]]
+            if self.rank < len(per_rank):
+                ckpt.set_rng_state(per_rank[self.rank])
+            else:  # more ranks than the checkpoint had: a fresh, deterministic stream
+                seed_rank(r.seed + self.global_step, self.rank)
+            self.saved_step = self.global_step
         self.resumed_from = resume_from
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        sinks: list[Any] = [JSONLSink(self.run_dir / "metrics.jsonl")]
-        if r.trainer.tensorboard and (tb := tensorboard_sink(self.run_dir / "tensorboard")) is not None:
-            sinks.append(tb)
+        sinks: list[Any] = []
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            sinks.append(JSONLSink(self.run_dir / "metrics.jsonl"))
+            if r.trainer.tensorboard and (tb := tensorboard_sink(self.run_dir / "tensorboard")) is not None:
+                sinks.append(tb)
         self.logger = MetricLogger(sinks)
+        # models with `weights_from` start from their source's current (possibly resumed) weights
+        self.weight_sync = WeightSync(r, self.models, self.tokenizer, self.run_dir)
+        self.weight_sync.sync()
 
     def _resolve(self, path: str) -> str:
         p = Path(path).expanduser()
@@ -120,13 +146,20 @@ class Trainer:
             for m in self.models.values():
                 m.version.epoch, m.version.epoch_step = epoch, epoch_step
             t0 = time.perf_counter()
-            batch, stats = run_calls(self.calls, self.batches.batch(epoch, epoch_step), self.global_step)
+            local = distributed.dp_slice(self.batches.batch(epoch, epoch_step))
+            before = self.weight_sync.versions()
+            batch, stats = run_calls(self.calls, local, self.global_step)
+            stats.update(self.weight_sync.sync(before))  # followers get the new weights before generating
             self.global_step += 1
             if t.samples_every_n_steps and self.global_step % t.samples_every_n_steps == 0:
-                write_samples(
-                    self.run_dir / "samples" / f"step_{self.global_step:08d}.jsonl", batch, self.tokenizer
-                )
+                rows = distributed.all_gather_object(sample_rows(batch, self.tokenizer))
+                if self.rank == 0:
+                    write_samples(
+                        self.run_dir / "samples" / f"step_{self.global_step:08d}.jsonl",
+                        [row for part in rows for row in part],
+                    )
             stats.update({"epoch": epoch, "timing/step_s": time.perf_counter() - t0})
+            stats = distributed.mean_over_ranks(stats)
             if t.eval_every_n_steps and self.global_step % t.eval_every_n_steps == 0:
                 stats.update(self.evaluate())
             log_now = self.global_step % t.log_every_n_steps == 0 or self.global_step == self.total_steps
@@ -137,17 +170,20 @@ class Trainer:
             last = stats
             if t.save_every_n_steps and self.global_step % t.save_every_n_steps == 0:
                 self.save()
-        if self.latest_saved_step() != self.global_step:
+        if self.saved_step != self.global_step:
             self.save()
         return last
 
     def evaluate(self) -> dict[str, float]:
+        """Every train call's interface on the held-out batches, each rank on its slice of them."""
         out: dict[str, float] = {}
         for call in self.calls:
             if call.spec.type == "train_step":
-                stats = call.interface.evaluate(call.model, self.eval_batches.all_batches())
+                batches = self.eval_batches.all_batches(min_size=distributed.dp_world())
+                loader = map(distributed.dp_slice, batches)
+                stats = call.interface.evaluate(call.model, loader)
                 out.update({f"eval/{call.spec.name}/{k}": v for k, v in stats.items()})
-        return out
+        return distributed.mean_over_ranks(out)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -156,24 +192,37 @@ class Trainer:
         return int(latest.name.split("_")[1]) if latest else None
 
     def save(self) -> Path:
+        """Collective: every rank writes its part of each model; rank 0 the trainer state."""
+        rngs = distributed.all_gather_object(ckpt.rng_state())
+
         def write(tmp: Path) -> None:
             for name in sorted(self.trained):
                 model, call = self.models[name], self._train_call(name)
                 call.interface.save(model, str(tmp / name))
                 model.backend.save(model, str(tmp / name))
+            if self.rank != 0:
+                return
             torch.save(
                 {
                     "global_step": self.global_step,
                     "versions": {n: vars(m.version).copy() for n, m in self.models.items()},
                     "interfaces": [getattr(c.interface, "state_dict", lambda: None)() for c in self.calls],
-                    "rng": ckpt.rng_state(),
+                    "rng": rngs[0],
+                    "rng_per_rank": rngs,
                 },
                 tmp / "trainer_state.pt",
             )
 
-        return ckpt.write_checkpoint(
-            self.ckpt_root, self.global_step, write, self.recipe.trainer.keep_last_n_checkpoints
+        path = ckpt.write_checkpoint(
+            self.ckpt_root,
+            self.global_step,
+            write,
+            self.recipe.trainer.keep_last_n_checkpoints,
+            is_main=self.rank == 0,
+            barrier=distributed.barrier,
         )
+        self.saved_step = self.global_step
+        return path
 
     def _train_call(self, model_name: str) -> Call:
         return next(c for c in self.calls if c.spec.type == "train_step" and c.spec.model == model_name)
@@ -186,29 +235,53 @@ class Trainer:
                 model.backend.destroy(model)
 
 
-def write_samples(path: Path, batch, tokenizer) -> None:
+def seed_rank(seed: int, rank: int) -> None:
+    """Sampling RNGs: a distinct, deterministic stream per rank (rank 0 uses the recipe's seed)."""
+    torch.manual_seed(seed + 100_003 * rank)
+    random.seed(seed + 100_003 * rank)
+
+
+def batch_size_problem(batch_size: int, world: int) -> str:
+    return (
+        f"dataset.batch_size ({batch_size}) must be divisible by the number of data-parallel ranks "
+        f"({world}): each takes an equal slice of every step's batch. Change dataset.batch_size or "
+        "--nproc-per-node/--nnodes"
+    )
+
+
+def sample_rows(batch, tokenizer) -> list[dict]:
     """Generated responses of a step, readable: prompt, response, reward, truncated."""
+    if "prompt_mask" not in batch.data or "rewards" not in batch.data:
+        return []
+    rows = []
+    for i, (ids, pm) in enumerate(
+        zip(batch.unpack("packed_input_ids"), batch.unpack("prompt_mask"), strict=True)
+    ):
+        pm = pm.bool()
+        row = {
+            "id": str(batch.ids[i]),
+            "prompt": tokenizer.decode(ids[pm].tolist()),
+            "response": tokenizer.decode(ids[~pm].tolist()),
+            "reward": float(batch.data["rewards"][i]),
+        }
+        if "seq_no_eos_mask" in batch.data:
+            row["truncated"] = bool(batch.data["seq_no_eos_mask"][i])
+        if "answers" in batch.meta:
+            row["answers"] = batch.meta["answers"][i]
+        if "version" in batch.meta:
+            row["version"] = batch.meta["version"][i]  # policy version that generated the response
+        rows.append(row)
+    return rows
+
+
+def write_samples(path: Path, rows: list[dict]) -> None:
     import json
 
-    if "prompt_mask" not in batch.data or "rewards" not in batch.data:
+    if not rows:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for i, (ids, pm) in enumerate(
-            zip(batch.unpack("packed_input_ids"), batch.unpack("prompt_mask"), strict=True)
-        ):
-            pm = pm.bool()
-            row = {
-                "id": str(batch.ids[i]),
-                "prompt": tokenizer.decode(ids[pm].tolist()),
-                "response": tokenizer.decode(ids[~pm].tolist()),
-                "reward": float(batch.data["rewards"][i]),
-            }
-            if "seq_no_eos_mask" in batch.data:
-                row["truncated"] = bool(batch.data["seq_no_eos_mask"][i])
-            if "answers" in batch.meta:
-                row["answers"] = batch.meta["answers"][i]
-            f.write(json.dumps(row) + "\n")
+        f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def write_resolved_recipe(recipe: Recipe, run_dir: Path) -> None:

@@ -7,7 +7,12 @@ it; a test checks this table against the classes themselves.
 from __future__ import annotations
 
 from arealcli.schema.base import NoArgs
-from arealcli.schema.components.backends import HFBackendArgs
+from arealcli.schema.components.backends import (
+    FSDPBackendArgs,
+    HFBackendArgs,
+    MegatronBackendArgs,
+    SGLangBackendArgs,
+)
 from arealcli.schema.components.datasets import PromptAnswerArgs
 from arealcli.schema.components.interfaces import PPOActorArgs, PPOCriticArgs, RewardArgs, SFTArgs
 from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, REWARDS, Entry
@@ -54,6 +59,19 @@ for _name, _fn, _doc in [
     REWARDS.add(Entry(_name, f"{_R}.rewards.builtin:{_fn}", NoArgs, _doc, "builtin"))
 
 BACKENDS.add(Entry("hf", f"{_R}.backends.hf:HFBackend", HFBackendArgs, HFBackendArgs.__doc__, "builtin"))
+BACKENDS.add(
+    Entry(
+        "sglang",
+        f"{_R}.backends.sglang:SGLangBackend",
+        SGLangBackendArgs,
+        SGLangBackendArgs.__doc__,
+        "builtin",
+    )
+)
+BACKENDS.add(Entry("megatron", f"{_R}.backends.megatron.backend:MegatronBackend", MegatronBackendArgs, MegatronBackendArgs.__doc__, "builtin"))  # fmt: skip  # noqa: E501
+BACKENDS.add(
+    Entry("fsdp", f"{_R}.backends.fsdp:FSDPBackend", FSDPBackendArgs, FSDPBackendArgs.__doc__, "builtin")
+)
 
 PROMPT_ANSWER_KEYS = frozenset({"packed_input_ids", "prompt_mask", "packed_prompts", "prompt", "answers"})
 DATASETS.add(

@@ -10,8 +10,9 @@
       sft_warmup_steps: 0        # SFT on the actor's dataset answers before RL starts
 
 Models are taken by name: `actor` (trained), `ref` (optional: enables the reference KL), `critic`
-(ppo). Expansion works on raw recipe data, before validation, and keeps source positions so that an
-error in `actor:` points at that line.
+(ppo), `actor_gen` (optional: generates instead of `actor`, e.g. on SGLang servers with
+`weights_from: actor`). Expansion works on raw recipe data, before validation, and keeps source
+positions so that an error in `actor:` points at that line.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from arealcli.schema.source import Located
 PRESETS = ("sft", "grpo", "ppo")
 PRESET_KEYS = {"preset", "actor", "critic", "reward", "shaping", "mb_spec", "sft_warmup_steps", "model"}
 
-GEN_OUT = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask"]
+# `version` (meta): the policy version that generated each sample (it lags when generation servers do)
+GEN_OUT = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "version"]
 
 
 def _call(name, model, type_, args, call_type, inputs, outputs, mb_spec, **extra) -> dict[str, Any]:
@@ -51,6 +53,8 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
         return [_call("sft", model, "sft", {}, "train_step", ["packed_input_ids", "prompt_mask"], [], mb)], {}
     shaping = df.get("shaping") or {}
     actor = {**(df.get("actor") or {}), **({"shaping": shaping} if shaping else {})}
+    if preset == "grpo":
+        actor.setdefault("adv_norm", "group")
     calls: list[dict[str, Any]] = []
     origin: dict[int, str] = {}
     warmup = df.get("sft_warmup_steps") or 0
@@ -70,8 +74,9 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
         )
     rl = {"start_step": warmup} if warmup else {}
     origin[len(calls)] = "actor"
+    gen_model = "actor_gen" if "actor_gen" in models else "actor"  # e.g. generation servers of the actor
     calls.append(
-        _call("actor_gen", "actor", "ppo_actor", actor, "generate", ["packed_prompts"], GEN_OUT, mb, **rl)
+        _call("actor_gen", gen_model, "ppo_actor", actor, "generate", ["packed_prompts"], GEN_OUT, mb, **rl)
     )
     origin[len(calls)] = "reward"
     calls.append(
@@ -87,7 +92,7 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
             **rl,
         )
     )
-    train_inputs = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "rewards"]
+    train_inputs = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "rewards", "version"]
     if "ref" in models:
         origin[len(calls)] = "actor"
         calls.append(

@@ -61,6 +61,11 @@ class ModelSpec(StrictModel):
         None,
         description="Start from another model of this recipe (after its own loading), e.g. ref <- actor.",
     )
+    weights_from: str | None = Field(
+        None,
+        description="Follow a trained model's weights: loaded into this one after every step that trains it "
+        "(e.g. generation servers of the actor).",
+    )
     value_head: bool = Field(False, description="Replace the LM head by a scalar value head (critics).")
     backend: ModelBackendAbstraction = Field(
         default_factory=lambda: ModelBackendAbstraction(type_="hf"), description="Backend running this model."

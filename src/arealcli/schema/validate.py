@@ -271,6 +271,33 @@ def _check_graph(data: dict) -> list[Problem]:
                     spec.init_from,
                 )
             )
+    trained = {c.model for c in calls if c.type == "train_step" and c.model is not None}
+    for name, spec in models.items():
+        src = spec.weights_from
+        if src is None:
+            continue
+        where = ("models", name, "weights_from")
+        if src == name:
+            problems.append(Problem(where, "a model cannot follow its own weights", src))
+        elif src not in raw_models:
+            problems.append(Problem(where, f"no such model{suggest(src, list(raw_models))}", src))
+        elif src not in trained:
+            problems.append(
+                Problem(
+                    where,
+                    f"model {src!r} is not trained by any call, so there are no weights to follow; "
+                    f"name a trained model ({', '.join(sorted(trained)) or 'none'})",
+                    src,
+                )
+            )
+        if name in trained:
+            problems.append(
+                Problem(
+                    where,
+                    f"model {name!r} is trained and also follows {src!r}'s weights, which would overwrite "
+                    "its training; drop weights_from or the train_step call",
+                )
+            )
     trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else {}
     if trainer.get("eval_every_n_steps") is not None and data.get("eval_dataset") is None:
         problems.append(Problem(("trainer", "eval_every_n_steps"), "evaluation needs an `eval_dataset`"))

@@ -34,7 +34,10 @@ class PipelinableEngine(Protocol):
         loss_weight_fn: LossWeightFn,
         version_steps: int,
         token_normalize_scope: str = "global",
-    ) -> dict[str, float]: ...
+        lr_scale: float = 1.0,
+    ) -> dict[str, float]:
+        """One optimizer step over `input_`; the LR is the backend schedule at `version_steps` x lr_scale."""
+        ...
 
     def eval_batch(
         self, input_: SequenceSample, mb_spec: MicroBatchSpec, loss_fn: LossFn
@@ -80,6 +83,14 @@ class ModelBackend:
 
     def load(self, model: Model, load_dir: str) -> None:
         """Restore what `save` wrote."""
+
+    def update_weights(self, model: Model, path: str, version: int) -> None:
+        """Replace the model's weights by the HF export at `path` (policy `version`); models whose weights
+        follow another (`weights_from`) get this after every step that trained their source."""
+        raise NotImplementedError(
+            f"backend {type(self).__name__} cannot load new weights in place, so its model cannot use "
+            "`weights_from`; use the hf or sglang backend for that model"
+        )
 
     def destroy(self, model: Model) -> None:
         """Release resources (processes, servers, GPU memory)."""

@@ -1,4 +1,9 @@
-"""The embedded backend: a transformers model in this process, on CPU or one GPU."""
+"""The embedded backend: a transformers model in this process, on CPU or one GPU.
+
+Under `areal train --nproc-per-node N` every rank holds a full replica: forward and generation run on
+the rank's own slice, and a training step averages the gradients over the ranks before the (then
+identical) optimizer step — plain replicated data parallelism. Only rank 0 writes checkpoints.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,9 @@ from typing import Any
 
 import torch
 
-from arealcli.runtime import generation
+from arealcli.runtime import distributed, generation
 from arealcli.runtime.backends.base import LossFn, LossWeightFn, ModelBackend
-from arealcli.runtime.backends.train_batch import accumulate_gradients, clip_and_step
+from arealcli.runtime.backends.train_batch import accumulate_gradients, average_gradients, clip_and_step
 from arealcli.runtime.data import SequenceSample
 from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
 from arealcli.runtime.optim import build_optimizer, lr_at, set_lr
@@ -63,13 +68,14 @@ class HFEngine:
         loss_weight_fn: LossWeightFn,
         version_steps: int,
         token_normalize_scope: str = "global",
+        lr_scale: float = 1.0,
     ) -> dict[str, float]:
         if self.optimizer is None:
             raise RuntimeError(
                 "this model has no optimizer: set `optimizer:` in its backend args to train it"
             )
         self.module.train()
-        lr = lr_at(version_steps, self.total_train_steps, self.optimizer_cfg)
+        lr = lr_at(version_steps, self.total_train_steps, self.optimizer_cfg) * lr_scale
         set_lr(self.optimizer, lr)
         stats = accumulate_gradients(
             self._run,
@@ -81,6 +87,7 @@ class HFEngine:
             self.device,
             autocast=self._autocast(),
         )
+        average_gradients(self.module.parameters())  # no-op in a single process
         stats["grad_norm"] = clip_and_step(
             self.module.parameters(), self.optimizer, self.optimizer_cfg.gradient_clipping
         )
@@ -156,6 +163,8 @@ class HFEngine:
         )
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
+        if distributed.rank() != 0:  # the replicas are identical: rank 0 writes
+            return
         os.makedirs(save_dir, exist_ok=True)
         self.module.save_pretrained(save_dir, safe_serialization=True)
         if tokenizer is not None:
@@ -174,6 +183,8 @@ class HFBackend(ModelBackend):
             if a.device == "auto" and torch.cuda.is_available()
             else ("cpu" if a.device == "auto" else a.device)
         )
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())  # the rank's GPU
         dtype = DTYPES[a.dtype]
         module = model.module
         if a.optimizer is None:
@@ -189,7 +200,7 @@ class HFBackend(ModelBackend):
 
     def save(self, model: Model, save_dir: str) -> None:
         engine: HFEngine = model.module
-        if engine.optimizer is not None:
+        if engine.optimizer is not None and distributed.rank() == 0:
             torch.save(
                 {"optimizer": engine.optimizer.state_dict()}, os.path.join(save_dir, "engine_state.pt")
             )
@@ -200,3 +211,11 @@ class HFBackend(ModelBackend):
         if engine.optimizer is not None and os.path.exists(path):
             state = torch.load(path, map_location=engine.device, weights_only=True)
             engine.optimizer.load_state_dict(state["optimizer"])
+
+    def update_weights(self, model: Model, path: str, version: int) -> None:
+        """Load another model's HF export in place (a model with `weights_from`)."""
+        from pathlib import Path
+
+        from arealcli.runtime.checkpoint import load_hf_weights
+
+        load_hf_weights(model.module.module, Path(path))

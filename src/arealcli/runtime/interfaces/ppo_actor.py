@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from arealcli.runtime import distributed
 from arealcli.runtime.algo import functional as F
 from arealcli.runtime.data import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.interfaces.rl_common import (
     compute_returns,
+    dp_masked_normalize,
+    dp_std,
     group_ids,
     response_view,
     shuffled_minibatches,
@@ -66,6 +69,7 @@ class PPOActorInterface(ModelInterface):
         g = self.args.generation
         rep = data.repeat_interleave(g.n)  # ids (prompt id, j), j < n
         out = model.module.generate(rep, mb_spec, model.tokenizer, g)
+        versions = getattr(out, "versions", None) or [None] * rep.bs  # servers report theirs per sample
         seqs, prompt_masks, logprobs, no_eos = [], [], [], []
         for prompt, gen, lp, trunc in zip(
             rep.unpack("packed_prompts"), out.output_ids, out.logprobs, out.no_eos, strict=True
@@ -85,7 +89,7 @@ class PPOActorInterface(ModelInterface):
                 "packed_logprobs": logprobs,
                 "seq_no_eos_mask": no_eos,
             },
-            {"version": [model.version.global_step] * rep.bs},
+            {"version": [model.version.global_step if v is None else v for v in versions]},
         )
 
     # ------------------------------------------------------------------ inference
@@ -120,11 +124,11 @@ class PPOActorInterface(ModelInterface):
                 divide_std=a.group_std == "group",
                 leave_one_out=a.leave_one_out,
             )
-            if a.group_std == "batch":  # LitePPO: group mean, batch std
-                seq_adv = seq_adv / (r.scores.std(unbiased=False) + 1e-5)
+            if a.group_std == "batch":  # LitePPO: group mean, batch std (over every rank's batch)
+                seq_adv = seq_adv / (dp_std(r.scores) + 1e-5)
             adv = seq_adv[:, None] * mask
         elif a.adv_norm == "batch":
-            adv = F.masked_normalize(r.advantages, mask)
+            adv = dp_masked_normalize(r.advantages, mask)
         else:
             adv = r.advantages * mask
 
@@ -140,6 +144,8 @@ class PPOActorInterface(ModelInterface):
         }
         if r.kl is not None:
             stats["kl_ref"] = float(F.masked_mean(r.kl, r.mask))
+        if "version" in data.meta:  # policy versions between the samples' generator and this model
+            stats["version_lag"] = model.version.global_step - sum(data.meta["version"]) / data.bs
 
         keep = torch.ones(data.bs, dtype=torch.bool)
         if a.dynamic_sampling:
@@ -158,7 +164,7 @@ class PPOActorInterface(ModelInterface):
 
         train_stats: dict[str, float] = {}
         n_updates = 0
-        if kept:
+        if kept or distributed.world() > 1:  # every rank steps the same number of times
             train = train.subset(kept)
             for epoch in range(a.sample_reuse):
                 seed = model.version.global_step * 1000 + epoch
@@ -169,6 +175,7 @@ class PPOActorInterface(ModelInterface):
                         self._loss_fn,
                         self._loss_weight,
                         version_steps=model.version.global_step,
+                        lr_scale=a.lr_scale,
                     )
                     for k, v in s.items():
                         train_stats[k] = train_stats.get(k, 0.0) + v
@@ -177,8 +184,8 @@ class PPOActorInterface(ModelInterface):
         stats["n_updates"] = float(n_updates)
 
         if a.adaptive_kl_target is not None and r.kl is not None:
-            seq_kl = float((r.kl * r.mask).sum(-1).mean())
-            self.kl_ctl.update(seq_kl, n_steps=data.bs)
+            kl_sum, n = distributed.all_reduce([float((r.kl * r.mask).sum()), float(data.bs)])
+            self.kl_ctl.update(kl_sum / n, n_steps=int(n))  # the same controller on every rank
         model.inc_version()
         return stats
 
@@ -245,7 +252,8 @@ class PPOActorInterface(ModelInterface):
             responses = [model.tokenizer.decode(o, skip_special_tokens=True) for o in out.output_ids]
             scores.extend(reward_fn(batch.meta["prompt"], responses, batch.meta["answers"]))
         t = torch.tensor(scores)
-        return {"accuracy": float((t > 0.5).float().mean()), "reward": float(t.mean())}
+        total, correct, n = distributed.all_reduce([float(t.sum()), float((t > 0.5).sum()), float(t.numel())])
+        return {"accuracy": correct / max(n, 1.0), "reward": total / max(n, 1.0)}
 
     def state_dict(self) -> dict:
         return {"kl_ctl": self.kl_ctl.state_dict()}

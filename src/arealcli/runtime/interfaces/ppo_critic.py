@@ -48,6 +48,7 @@ class PPOCriticInterface(ModelInterface):
                     self._loss_fn,
                     lambda mb: float(mb.data["loss_mask"].sum()),
                     version_steps=model.version.global_step,
+                    lr_scale=a.lr_scale,
                 )
                 for k, v in s.items():
                     stats[k] = stats.get(k, 0.0) + v

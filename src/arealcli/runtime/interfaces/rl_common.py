@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arealcli.runtime import distributed
 from arealcli.runtime.algo import functional as F
 from arealcli.runtime.data import SequenceSample
 from arealcli.runtime.interfaces.sft import answer_token_mask
@@ -121,6 +122,25 @@ def compute_returns(
     return Returns(scores, mask, kl, adv, ret, values)
 
 
+def dp_masked_normalize(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """`F.masked_normalize` with mean and std over the valid tokens of every rank's batch."""
+    if distributed.world() == 1:
+        return F.masked_normalize(x, mask, eps=eps)
+    m = mask.to(x.dtype)
+    total, count = distributed.all_reduce([float((x * m).sum()), float(m.sum())])
+    mean = total / count if count > 0 else 0.0
+    (sq,) = distributed.all_reduce([float(((x - mean) ** 2 * m).sum())])
+    std = (sq / count) ** 0.5 if count > 0 else 0.0
+    return (x - mean) / (std + eps) * m
+
+
+def dp_std(x: torch.Tensor) -> float:
+    """Population std of `x` (1-D) over every rank's values."""
+    s, sq, n = distributed.all_reduce([float(x.sum()), float((x.double() ** 2).sum()), float(x.numel())])
+    mean = s / max(n, 1.0)
+    return max(sq / max(n, 1.0) - mean**2, 0.0) ** 0.5
+
+
 def group_ids(data: SequenceSample) -> torch.Tensor:
     """(B,) prompt group of each sample: generated samples have ids (prompt id, j)."""
     keys = [i[0] if isinstance(i, tuple) else i for i in data.ids]
@@ -129,7 +149,15 @@ def group_ids(data: SequenceSample) -> torch.Tensor:
 
 
 def shuffled_minibatches(n: int, n_minibatches: int, seed: int) -> list[list[int]]:
+    """Shuffled, sorted index lists of at most `n_minibatches` minibatches.
+
+    Over several ranks the list always has exactly `n_minibatches` entries (some may be empty): every
+    rank must make the same number of optimizer steps, whatever its number of samples.
+    """
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n, generator=g).tolist()
-    size = -(-n // n_minibatches)
-    return [sorted(perm[i : i + size]) for i in range(0, n, size)]
+    size = max(1, -(-n // n_minibatches))
+    out = [sorted(perm[i : i + size]) for i in range(0, n, size)]
+    if distributed.world() > 1:
+        out += [[] for _ in range(n_minibatches - len(out))]
+    return out

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from arealcli.runtime import distributed
 from arealcli.runtime.data import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.model import Model
@@ -66,6 +67,7 @@ class SFTInterface(ModelInterface):
             loss_fn=sft_loss,
             loss_weight_fn=num_answer_tokens,
             version_steps=model.version.global_step,
+            lr_scale=self.args.lr_scale,
             token_normalize_scope=self.args.token_normalize_scope,
         )
         stats["ppl"] = math.exp(min(stats["loss"], 50.0))
@@ -80,5 +82,6 @@ class SFTInterface(ModelInterface):
             )
             nll_sum += float(out[:, 0].sum())
             n_tokens += float(out[:, 1].sum())
+        nll_sum, n_tokens = distributed.all_reduce([nll_sum, n_tokens])  # over every rank's slice
         nll = nll_sum / max(n_tokens, 1.0)
         return {"nll": nll, "ppl": math.exp(min(nll, 50.0))}

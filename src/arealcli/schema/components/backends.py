@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from arealcli.schema.base import StrictModel
 from arealcli.schema.components.engine import OptimizerConfig
@@ -26,3 +26,139 @@ class HFBackendArgs(StrictModel):
         False, description="Recompute activations in backward to save memory."
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+
+
+class FSDPBackendArgs(StrictModel):
+    """PyTorch FSDP2 (`fully_shard`): weights, gradients and optimizer state sharded over the ranks.
+
+    Start it with `areal train RECIPE --nproc-per-node N`: gloo on CPU, NCCL on GPUs.
+    """
+
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = the rank's GPU when available, else cpu (gloo)."
+    )
+    optimizer: OptimizerConfig | None = Field(
+        None, description="Optimizer for trained models; null for inference-only models."
+    )
+    mixed_precision_param: Dtype = Field(
+        "float32",
+        description="Compute dtype of the all-gathered parameters (bfloat16: fp32 master weights, "
+        "bf16 forward/backward).",
+    )
+    mixed_precision_reduce: Dtype = Field(
+        "float32", description="Dtype in which gradients are reduce-scattered over ranks."
+    )
+    reshard_after_forward: bool = Field(
+        True, description="Free gathered parameters after forward (re-gather in backward): less memory."
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+
+
+class MegatronBackendArgs(StrictModel):
+    """Megatron-Core GPTModel with tensor / pipeline / data parallelism (launch with --nproc-per-node).
+
+    Data parallelism takes the rest of the world: dp = world_size / (tensor_parallel_size *
+    pipeline_parallel_size). Qwen2 / Llama causal LMs only.
+    """
+
+    tensor_parallel_size: PositiveInt = Field(
+        1, description="Ranks one layer is split over (heads, MLP width, vocab)."
+    )
+    pipeline_parallel_size: PositiveInt = Field(
+        1, description="Pipeline stages; num_hidden_layers must divide evenly over them."
+    )
+    dtype: Dtype = Field("float32", description="Parameter and compute dtype.")
+    optimizer: OptimizerConfig | None = Field(
+        None, description="Optimizer for trained models; null for inference-only models."
+    )
+    attention: Literal["sdpa", "local"] = Field(
+        "sdpa", description="Core attention: torch SDPA (fused kernels) or megatron's unfused local one."
+    )
+    use_distributed_optimizer: bool = Field(
+        False, description="Shard optimizer state over data-parallel ranks (GPU only; ignored on CPU)."
+    )
+    make_vocab_size_divisible_by: PositiveInt = Field(
+        128, description="Pad the vocab to a multiple of this times tensor_parallel_size."
+    )
+
+
+def _check_address(address: str) -> str:
+    """`host:port` (an `http://` prefix is dropped): the port a number in 1..65535."""
+    a = address.strip()
+    a = a.removeprefix("http://").rstrip("/")
+    host, sep, port = a.rpartition(":")
+    if not sep or not host or not port.isdigit() or "/" in host:
+        raise ValueError(f"address {address!r} is not host:port (e.g. 127.0.0.1:30000)")
+    if not 0 < int(port) < 65536:
+        raise ValueError(f"address {address!r}: port {port} is outside 1..65535")
+    return a
+
+
+class SGLangBackendArgs(StrictModel):
+    """Generation on SGLang servers over their native HTTP protocol: connect to `addresses` or `launch` them."""
+
+    addresses: list[str] = Field(
+        default_factory=list,
+        description="Running servers as host:port (connect mode; exclusive with launch).",
+    )
+    launch: Literal["sglang", "embedded"] | None = Field(
+        None,
+        description="Start servers here: sglang = `python -m sglang.launch_server` (GPU); "
+        "embedded = `areal serve` (our own, CPU or GPU).",
+    )
+    num_servers: PositiveInt = Field(1, description="Servers to launch (each on its own port and GPUs).")
+    host: str = Field("127.0.0.1", description="Interface launched servers listen on.")
+    base_port: int | None = Field(
+        None,
+        ge=1,
+        lt=65536,
+        description="Port of the first launched server (then +1, ...); null = free ports.",
+    )
+    tp_size: PositiveInt = Field(1, description="Tensor-parallel GPUs per launched SGLang server.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights dtype of launched servers (auto: SGLang's choice; float32 for embedded)."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device of embedded servers.")
+    mem_fraction_static: float | None = Field(
+        None, gt=0, lt=1, description="SGLang --mem-fraction-static (GPU memory for weights + KV cache)."
+    )
+    context_length: PositiveInt | None = Field(
+        None, description="SGLang --context-length; null = the model's."
+    )
+    python: str | None = Field(
+        None, description="Python interpreter that has sglang installed (launch: sglang); default: this one."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Appended to each launch command.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Wait this long for launched servers' /health.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for one /generate or weight-update answer."
+    )
+    connect_timeout_s: float = Field(10.0, gt=0, description="Longest wait to connect to a server.")
+    max_retries: int = Field(
+        3, ge=0, description="Re-sends of a request after connection failures (to another server if any)."
+    )
+    retry_backoff_s: float = Field(0.5, ge=0, description="First backoff between retries; doubles each time.")
+    max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight at once, all servers.")
+    max_abort_resends: int = Field(
+        8, ge=0, description="Re-sends of a sample aborted by weight updates before it is an error."
+    )
+    abort_on_update: bool = Field(
+        True, description="Abort in-flight requests on a weight update (they are re-sent) instead of waiting."
+    )
+
+    @field_validator("addresses")
+    @classmethod
+    def _addresses(cls, addresses: list[str]) -> list[str]:
+        return [_check_address(a) for a in addresses]
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> SGLangBackendArgs:
+        if bool(self.addresses) == (self.launch is not None):
+            raise ValueError(
+                "give either `addresses` (servers already running) or `launch: sglang|embedded` "
+                "(start them here), not both and not neither"
+            )
+        return self

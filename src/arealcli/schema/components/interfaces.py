@@ -17,6 +17,9 @@ class SFTArgs(StrictModel):
         "global",
         description="Average the loss over all answer tokens of the batch (global) or per rank (dp).",
     )
+    lr_scale: float = Field(
+        1.0, gt=0, description="Multiplier on the backend's learning rate for this interface's updates."
+    )
 
 
 class RewardShaping(StrictModel):
@@ -54,7 +57,8 @@ class PPOActorArgs(StrictModel):
     # --- advantages
     gae_lambda: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     adv_norm: Literal["batch", "group", "none"] = Field(
-        "group", description="batch: over all tokens; group: per prompt group of n samples (GRPO)."
+        "batch",
+        description="batch: over all tokens; group: per prompt group of n samples (GRPO; preset grpo's default).",
     )
     group_std: Literal["group", "batch", "none"] = Field(
         "group",
@@ -79,6 +83,9 @@ class PPOActorArgs(StrictModel):
     )
     n_minibatches: PositiveInt = Field(
         1, description="Optimizer steps per batch (each on a shuffled minibatch)."
+    )
+    lr_scale: float = Field(
+        1.0, gt=0, description="Multiplier on the backend's learning rate for this interface's updates."
     )
     sample_reuse: PositiveInt = Field(1, description="Passes over the batch (PPO epochs).")
     early_stop_imp_ratio: float | None = Field(
@@ -109,6 +116,9 @@ class PPOCriticArgs(StrictModel):
     value_eps_clip: float = Field(0.2, gt=0, description="Clip of the value update around the old values.")
     gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda for the returns.")
     n_minibatches: PositiveInt = Field(1, description="Optimizer steps per batch.")
+    lr_scale: float = Field(
+        1.0, gt=0, description="Multiplier on the backend's learning rate for this interface's updates."
+    )
     sample_reuse: PositiveInt = Field(1, description="Passes over the batch.")
 
 

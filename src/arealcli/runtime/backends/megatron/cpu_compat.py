@@ -25,13 +25,21 @@ The workarounds (see /work/shared/ENVIRONMENT.md, "megatron-core"):
    mask with ``get_default_causal_mask``, which allocates on ``device="cuda"`` (a literal, not
    ``current_device``). On CPU ``fused_softmax`` gets the same function allocating on the CPU.
 
-(megatron's own optimizer is CUDA-only as well; that concerns the engine, not this layer.)
+6. megatron's ``DistributedDataParallel`` allocates its contiguous gradient buffers
+   (``_ParamAndGradBuffer``) on ``torch.cuda.current_device()``: on CPU that constructor runs with the
+   same shim as 3.
+7. megatron's optimizer (``get_megatron_optimizer``) allocates on 'cuda' and its gradient-norm /
+   clipping helpers (``optimizer/clip_grads.py``) build CUDA tensors. On CPU the engine uses
+   ``MainGradOptimizer`` below instead: a torch optimizer (AdamW / SGD, as the hf backend) over the
+   DDP-wrapped parameters, fed with ``p.grad = p.main_grad`` after ``finish_grad_sync()``, clipped by
+   the global norm over the model-parallel ranks exactly as megatron computes it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -125,7 +133,7 @@ def _default_causal_mask_cpu(sq: int) -> torch.Tensor:
 
 
 def apply_cpu_workarounds() -> bool:
-    """Install workarounds 3, 4 and 5 when there is no CUDA device. Idempotent.
+    """Install workarounds 3, 4, 5 and 6 when there is no CUDA device. Idempotent.
 
     Returns True when they are (now) installed, False on a machine with CUDA, where it does nothing.
     """
@@ -145,9 +153,87 @@ def apply_cpu_workarounds() -> bool:
     mcore_utils.GlobalMemoryBuffer.get_tensor = _on_cpu_device(mcore_utils.GlobalMemoryBuffer.get_tensor)
     for name in ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
         setattr(mappings, name, _on_cpu_device(getattr(mappings, name)))
+    from megatron.core.distributed import param_and_grad_buffer
+
+    buffer_cls = param_and_grad_buffer._ParamAndGradBuffer
+    buffer_cls.__init__ = _on_cpu_device(buffer_cls.__init__)
     LanguageModule.setup_embeddings_and_output_layer = _tied_embedding_setup_without_cuda(
         LanguageModule.setup_embeddings_and_output_layer
     )
     fused_softmax.get_default_causal_mask = _default_causal_mask_cpu
     _APPLIED = True
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Workaround 7: the optimizer
+# ---------------------------------------------------------------------------------------------
+
+
+def model_parallel_grad_norm(params: list[torch.nn.Parameter]) -> float:
+    """Global L2 norm of ``p.grad`` over the whole model (every TP / PP shard), as megatron's
+    ``get_grad_norm_fp32`` computes it: a parameter replicated over TP ranks (norms, biases of
+    row-parallel layers) and the last stage's copy of a tied embedding (``shared``) count once."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    squares = torch.zeros(1, dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+            squares += p.grad.double().square().sum()
+    if parallel_state.get_model_parallel_group().size() > 1:
+        torch.distributed.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    return float(squares.sqrt())
+
+
+class MainGradOptimizer:
+    """The CPU stand-in for megatron's optimizer, with the part of its interface the engine uses:
+    ``param_groups``, ``zero_grad``, ``get_loss_scale``, ``step() -> (ok, grad_norm, None)``,
+    ``state_dict`` / ``load_state_dict``.
+
+    The parameters belong to a megatron ``DistributedDataParallel`` module, whose backward hooks
+    accumulate gradients into ``p.main_grad`` (all-reduced over data-parallel ranks by
+    ``finish_grad_sync``). ``step`` points ``p.grad`` at them, clips by the model-parallel global
+    norm (torch's ``clip_grad_norm_`` rule), and steps unless the norm is not finite.
+    """
+
+    def __init__(self, params, cfg) -> None:
+        from arealcli.runtime.optim import build_optimizer
+
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg)
+        self.max_norm = cfg.gradient_clipping
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.ones(())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float, None]:
+        for p in self.params:
+            p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+        norm = model_parallel_grad_norm(self.params)
+        ok = math.isfinite(norm)
+        if ok:
+            if self.max_norm is not None:
+                coef = min(1.0, self.max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_
+                if coef < 1.0:
+                    for p in self.params:
+                        p.grad.mul_(coef)
+            self.optimizer.step()
+        self.zero_grad()
+        return ok, norm, None
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

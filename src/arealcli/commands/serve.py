@@ -1,0 +1,64 @@
+"""`areal serve --model DIR`: an embedded generation server speaking SGLang's native HTTP protocol."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+from arealcli.commands.common import console, fail
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+def serve(
+    model: Path = typer.Option(..., "--model", "--model-path", help="Hugging Face model directory to serve."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+    port: int = typer.Option(30000, help="Port; 0 picks a free one (printed when ready)."),
+    device: Device = typer.Option(Device.auto, help="auto = cuda when available, else cpu."),
+    dtype: Dtype = typer.Option(Dtype.float32, help="Weights and compute dtype."),
+    batch_window_ms: float = typer.Option(
+        5.0, min=0, help="After a request arrives, wait this long for others to generate together."
+    ),
+    max_batch_size: int = typer.Option(256, min=1, help="Most samples in one generate call."),
+    weight_version: str = typer.Option("default", help="weight_version reported until an update sets one."),
+    log_requests: bool = typer.Option(False, "--log-requests", help="Log every HTTP request."),
+) -> None:
+    """Serve a model over SGLang's native HTTP protocol: /generate, /update_weights_from_disk, /health, ..."""
+    if not (model / "config.json").is_file():
+        raise fail([f"--model {model}: not a Hugging Face model directory (no config.json)"])
+    from arealcli.runtime.server.http_server import make_server, serve_forever
+
+    try:
+        server = make_server(
+            str(model.resolve()),
+            host,
+            port,
+            device.value,
+            dtype.value,
+            batch_window_ms,
+            max_batch_size,
+            weight_version,
+            log_requests,
+        )
+    except OSError as e:
+        raise fail([f"cannot listen on {host}:{port}: {e.strerror or e}"]) from None
+
+    def ready(h: str, p: int) -> None:
+        console.print(f"serving {model} at http://{h}:{p} (SGLang native protocol)", highlight=False)
+
+    try:
+        serve_forever(server, ready)
+    except KeyboardInterrupt:
+        console.print("stopped")

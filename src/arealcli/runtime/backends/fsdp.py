@@ -1,0 +1,308 @@
+"""The FSDP2 backend: a transformers model sharded with `fully_shard` over the data-parallel ranks.
+
+Each decoder layer is its own FSDP unit, then the root (embeddings, final norm, head). Parameters,
+gradients and AdamW state live sharded (`DTensor`s); a layer's full parameters exist only around its
+forward and backward (all-gather, then reduce-scatter of its gradients).
+
+Collectives must match across ranks, so:
+- training and `forward` run the same number of passes on every rank: the maximum micro-batch count
+  over ranks, with zero-weight padding passes where a rank has fewer (`accumulate_gradients`);
+- `generate` all-gathers every unit once (`unshard()`), decodes the rank's own slice with the full
+  weights and no further collectives (ranks may take different numbers of decoding steps), then
+  reshards. The price is one full copy of the weights per rank while generating.
+- `save_to_hf` gathers a full state dict on rank 0 (CPU), which writes safetensors
+  `AutoModelForCausalLM.from_pretrained` loads; `save`/`load` keep the optimizer state sharded with
+  torch.distributed.checkpoint (one file per rank; it also reloads under another world size).
+
+Started in a single process (no launcher), the backend makes its own world of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from arealcli.runtime import distributed, generation
+from arealcli.runtime.backends.base import LossFn, LossWeightFn, ModelBackend
+from arealcli.runtime.backends.hf import run_packed
+from arealcli.runtime.backends.train_batch import accumulate_gradients, clip_and_step
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
+from arealcli.runtime.optim import build_optimizer, lr_at, set_lr
+from arealcli.schema.components.backends import FSDPBackendArgs
+from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
+
+_own_process_group = False  # True when this backend created a world of one itself
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    global _own_process_group
+    if distributed.initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    _own_process_group = True
+
+
+def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: modules whose class transformers marks as not to be split."""
+    names: set[str] = set()
+    for m in module.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    layers = [m for m in module.modules() if type(m).__name__ in names]
+    if not layers and hasattr(getattr(module, "model", None), "layers"):
+        layers = list(module.model.layers)
+    return layers
+
+
+def write_hf_checkpoint(module: torch.nn.Module, architecture: str, state: dict, save_dir: str) -> None:
+    """An HF directory (config.json + model.safetensors) from a full state dict."""
+    from safetensors.torch import save_file
+    from transformers import PreTrainedModel
+
+    os.makedirs(save_dir, exist_ok=True)
+    config = copy.deepcopy(module.config)
+    if isinstance(module, PreTrainedModel):
+        config.architectures = [architecture]  # not the FSDP subclass fully_shard swapped in
+    config.save_pretrained(save_dir)
+    if getattr(config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in state:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied: loaded from the embeddings
+    tensors = {k: v.detach().contiguous() for k, v in state.items()}
+    save_file(tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+class FSDPEngine:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        device: torch.device,
+        optimizer_cfg: OptimizerConfig | None,
+        total_train_steps: int,
+        architecture: str,
+        reshard_after_forward: bool,
+    ):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.module, self.device, self.architecture = module, device, architecture
+        self.optimizer_cfg, self.total_train_steps = optimizer_cfg, total_train_steps
+        self.optimizer = build_optimizer(module.parameters(), optimizer_cfg) if optimizer_cfg else None
+        self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]  # same order everywhere
+        self.reshard_after_forward = reshard_after_forward
+
+    def _run(self, mb: SequenceSample) -> torch.Tensor:
+        return run_packed(self.module, mb, self.device)
+
+    def _pad_run(self) -> torch.Tensor:
+        """A one-token forward: the collectives of a pass, for ranks with nothing (left) to compute."""
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        out = self.module(input_ids=ids, attention_mask=torch.ones_like(ids))
+        return out.logits if hasattr(out, "logits") else out
+
+    def _n_passes(self, n_local: int) -> int:
+        return int(distributed.all_reduce([n_local], op="max")[0])
+
+    def train_batch(
+        self,
+        input_: SequenceSample,
+        mb_spec: MicroBatchSpec,
+        loss_fn: LossFn,
+        loss_weight_fn: LossWeightFn,
+        version_steps: int,
+        token_normalize_scope: str = "global",
+        lr_scale: float = 1.0,
+    ) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError(
+                "this model has no optimizer: set `optimizer:` in its backend args to train it"
+            )
+        self.module.train()
+        lr = lr_at(version_steps, self.total_train_steps, self.optimizer_cfg) * lr_scale
+        set_lr(self.optimizer, lr)
+        # FSDP reduce-scatters gradients as an average over ranks (grads_averaged_over_dp).
+        stats = accumulate_gradients(
+            self._run,
+            input_,
+            mb_spec,
+            loss_fn,
+            loss_weight_fn,
+            token_normalize_scope,
+            self.device,
+            pad_run=self._pad_run,
+        )
+        stats["grad_norm"] = clip_and_step(
+            self.module.parameters(), self.optimizer, self.optimizer_cfg.gradient_clipping
+        )
+        stats["lr"] = lr
+        return stats
+
+    @torch.no_grad()
+    def eval_batch(
+        self, input_: SequenceSample, mb_spec: MicroBatchSpec, loss_fn: LossFn
+    ) -> dict[str, float]:
+        """Loss and stats averaged per sample over every rank's samples."""
+        self.module.eval()
+        mbs = input_.split(mb_spec)[0]
+        sums: dict[str, float] = {}
+        for i in range(self._n_passes(len(mbs))):
+            if i >= len(mbs):
+                self._pad_run()
+                continue
+            loss, mb_stats = loss_fn(self._run(mbs[i]), mbs[i])
+            for k, v in {"loss": loss, **mb_stats}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * mbs[i].bs
+        keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
+        totals = distributed.all_reduce([sums.get(k, 0.0) for k in keys] + [float(input_.bs)])
+        return {k: v / max(totals[-1], 1.0) for k, v in zip(keys, totals, strict=False)}
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_: SequenceSample,
+        mb_spec: MicroBatchSpec,
+        post_hook: Callable[[torch.Tensor, SequenceSample], Any] | None = None,
+        aggregate_fn: Callable[[list[Any]], Any] = torch.cat,
+    ) -> Any:
+        """Like the hf engine's forward; every rank runs the same number of passes."""
+        self.module.eval()
+        mbs, _, backward = input_.split(mb_spec)
+        per_sample: list[Any] = []
+        for i in range(self._n_passes(len(mbs))):
+            if i >= len(mbs):
+                self._pad_run()
+                continue
+            out = self._run(mbs[i])
+            res = post_hook(out, mbs[i]) if post_hook is not None else out
+            if isinstance(res, torch.Tensor):
+                res = list(torch.split(res, mbs[i].seqlens["packed_input_ids"]))
+            per_sample.extend(res)
+        return aggregate_fn([per_sample[i] for i in backward])
+
+    @contextlib.contextmanager
+    def _gathered(self):
+        """Every unit unsharded (one all-gather each, in the same order on every rank) and kept so:
+        the forwards inside run without collectives."""
+        for unit in self.units:
+            unit.unshard()
+        layers = [u for u in self.units if u is not self.module]  # the root keeps its own setting
+        for unit in layers:
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in layers:
+                unit.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+            for unit in self.units:
+                unit.reshard()
+
+    @torch.no_grad()
+    def generate(
+        self, input_: SequenceSample, mb_spec: MicroBatchSpec, tokenizer, gconfig: GenerationHyperparameters
+    ) -> generation.GenerationResult:
+        """Sample this rank's prompts with the full (gathered) weights; one result per prompt."""
+        self.module.eval()
+        mbs, _, backward = input_.split(mb_spec)
+        parts = []
+        with self._gathered():
+            for mb in mbs:
+                prompts = [t.tolist() for t in mb.unpack("packed_prompts")]
+                parts.append(
+                    generation.generate(
+                        self.module,
+                        prompts,
+                        gconfig,
+                        {tokenizer.eos_token_id},
+                        tokenizer.pad_token_id,
+                        self.device,
+                    )
+                )
+        ids = [x for p in parts for x in p.output_ids]
+        lps = [x for p in parts for x in p.logprobs]
+        no_eos = [x for p in parts for x in p.no_eos]
+        return generation.GenerationResult(
+            [ids[i] for i in backward], [lps[i] for i in backward], [no_eos[i] for i in backward]
+        )
+
+    def save_to_hf(self, tokenizer, save_dir: str) -> None:
+        """Collective: every rank sends its shards; rank 0 writes the HF directory."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if distributed.rank() == 0:
+            write_hf_checkpoint(self.module, self.architecture, state, save_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(save_dir)
+
+
+class FSDPBackend(ModelBackend):
+    """PyTorch FSDP2 (`fully_shard`): weights, gradients and optimizer state sharded over the ranks."""
+
+    Args = FSDPBackendArgs
+
+    def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        a: FSDPBackendArgs = self.args
+        use_cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+        device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        _ensure_process_group(device)
+        module = model.module
+        if a.gradient_checkpointing and a.optimizer is not None:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(module, "config"):
+            module.config._attn_implementation = a.attn_implementation
+        architecture = type(module).__name__
+        module = module.to(device)
+        param_dtype, reduce_dtype = DTYPES[a.mixed_precision_param], DTYPES[a.mixed_precision_reduce]
+        mp = MixedPrecisionPolicy(
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            output_dtype=torch.float32 if param_dtype != torch.float32 else None,
+        )
+        mesh = init_device_mesh(device.type, (distributed.world(),))
+        kw = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": a.reshard_after_forward}
+        for layer in decoder_layers(module):
+            fully_shard(layer, **kw)
+        fully_shard(module, **kw)
+        model.module = FSDPEngine(
+            module, device, a.optimizer, spec.total_train_steps, architecture, a.reshard_after_forward
+        )
+        model.device, model.dtype = device, param_dtype
+        return model
+
+    def save(self, model: Model, save_dir: str) -> None:
+        """Collective: each rank writes its optimizer shard (torch.distributed.checkpoint)."""
+        engine: FSDPEngine = model.module
+        if engine.optimizer is None:
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(engine.module, engine.optimizer)}
+        dcp.save(state, checkpoint_id=os.path.join(save_dir, "optimizer"))
+
+    def load(self, model: Model, load_dir: str) -> None:
+        engine: FSDPEngine = model.module
+        path = os.path.join(load_dir, "optimizer")
+        if engine.optimizer is None or not os.path.isdir(path):
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(engine.module, engine.optimizer)}
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(engine.module, engine.optimizer, state["optimizer"])
+
+    def destroy(self, model: Model) -> None:
+        global _own_process_group
+        if _own_process_group and distributed.initialized():
+            dist.destroy_process_group()
+        _own_process_group = False

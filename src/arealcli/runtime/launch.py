@@ -1,0 +1,190 @@
+"""`areal train --nproc-per-node N [--nnodes M ...]`: start the torch.distributed workers ourselves.
+
+The parent process (one per node) runs torch's elastic agent (`elastic_launch`, what `torchrun` uses)
+with a static rendezvous at `master_addr:master_port`; it spawns N workers, each of which initializes
+the process group (gloo on CPU, NCCL for GPUs plus gloo for CPU tensors) and runs the trainer.
+
+Failure handling: no restarts. When a worker fails, the agent stops every other worker (SIGTERM, then
+SIGKILL) and we print the failed worker's traceback once, picking the root cause over the
+"connection closed" errors its peers may raise in the meantime. Ctrl-C stops every worker.
+Nothing here imports torch at module level: `areal train --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Messages of errors a healthy worker raises because a peer died (not the root cause).
+_PEER_ERRORS = re.compile(
+    r"DistNetworkError|DistBackendError|Connection (closed|reset) by peer|Broken pipe|NCCL|gloo",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class WorkerJob:
+    """What every worker needs to rebuild the run (the recipe is validated again in the worker, which
+    also imports its plugins)."""
+
+    recipe_path: str
+    overrides: list[str]
+    run_dir: str
+    resume: bool
+
+
+@dataclass
+class LaunchSpec:
+    nproc_per_node: int
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+
+    @property
+    def world(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+@dataclass
+class LaunchResult:
+    exit_code: int
+    global_step: int | None = None  # rank 0's last step, on success
+    error: str | None = None  # the failed worker's traceback
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(job: WorkerJob, spec: LaunchSpec) -> LaunchResult:
+    """Run the workers of this node to completion (blocking)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, once
+    port = spec.master_port or (free_port() if spec.nnodes == 1 else 29500)
+    # Like torchrun: do not let N workers each start one thread per core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)))
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc_per_node,
+        run_id=spec.run_id,
+        rdzv_backend="static",
+        rdzv_endpoint=f"{spec.master_addr}:{port}",
+        rdzv_configs={"rank": spec.node_rank, "timeout": 900},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, run_worker)(job)
+    except ChildFailedError as e:
+        return LaunchResult(1, error=root_cause(e))
+    except SignalException as e:
+        return LaunchResult(128 + int(e.sigval))
+    except KeyboardInterrupt:
+        return LaunchResult(130)
+    return LaunchResult(0, global_step=min(results.values()) if results else None)
+
+
+def root_cause(e) -> str:
+    """The failed worker's traceback: the earliest failure, preferring a real error over a peer's
+    'connection closed' that followed it."""
+    failures = sorted(
+        e.failures.items(),
+        key=lambda kv: (kv[1].timestamp, bool(_PEER_ERRORS.search(_message(kv[1]))), kv[0]),
+    )
+    rank, failure = failures[0]
+    for r, f in failures:
+        if not _PEER_ERRORS.search(_message(f)):
+            rank, failure = r, f
+            break
+    data = failure.error_file_data or {}
+    info = data.get("message", {}) if isinstance(data.get("message"), dict) else {}
+    trace = (info.get("extraInfo") or {}).get("py_callstack") or _message(failure)
+    trace = _drop_wrapper_frames(trace)
+    return f"worker rank {rank} failed (exit code {failure.exitcode}); all workers were stopped.\n{trace}"
+
+
+def _message(failure) -> str:
+    msg = failure.message
+    if isinstance(msg, dict):
+        msg = msg.get("message", "")
+    return str(msg or f"exit code {failure.exitcode} (signal or crash; no Python error)")
+
+
+def _drop_wrapper_frames(trace: str) -> str:
+    """Remove torch elastic's `record` wrapper frame (its File line and the lines below it)."""
+    out: list[str] = []
+    skipping = False
+    for line in trace.rstrip().splitlines():
+        if line.startswith("  File "):
+            skipping = "elastic/multiprocessing/errors" in line
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            out.append(line)
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------- worker
+
+
+def run_worker(job: WorkerJob) -> int:
+    """One rank: join the process group, train, leave. Returns the last global step."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
+    try:
+        return _train(job, dist.get_rank())
+    except KeyboardInterrupt:
+        return -1
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(job: WorkerJob, rank: int) -> int:
+    import contextlib
+
+    from rich.console import Console
+
+    from arealcli.runtime.progress import ConsoleProgress
+    from arealcli.runtime.trainer import Trainer
+    from arealcli.schema.source import apply_overrides, load_recipe_source
+    from arealcli.schema.validate import validate
+
+    recipe_path = Path(job.recipe_path)
+    recipe = validate(apply_overrides(load_recipe_source(recipe_path), job.overrides))
+    trainer = Trainer(recipe, recipe_path.resolve().parent, Path(job.run_dir), resume=job.resume)
+    console = Console()
+    progress = ConsoleProgress(console, recipe.experiment) if rank == 0 else None  # rank 0 reports
+    try:
+        with progress or contextlib.nullcontext():
+            trainer.progress = progress.update if progress else None
+            trainer.setup()
+            if progress is not None:
+                if trainer.resumed_from is not None:
+                    console.print(f"resuming from {trainer.resumed_from} (step {trainer.global_step})")
+                progress.start(trainer.global_step, trainer.total_steps)
+            trainer.train()
+    finally:
+        trainer.close()
+    return trainer.global_step

@@ -1,0 +1,308 @@
+"""An async client of SGLang-protocol generation servers.
+
+- One `/generate` request per prompt group (`n` samples), many in flight (`max_concurrent_requests`).
+- Load balancing: each request goes to the server with the fewest requests in flight.
+- Connection failures (refused, reset, a server that died mid-request) move the request to another
+  server, with exponential backoff when none is left; a read timeout is an error at once. Every failure
+  is bounded: never a hang.
+- A sample aborted by a weight update is re-sent with the tokens it generated appended to the prompt and
+  `max_new_tokens` reduced by as many; its output and log-probs are the concatenation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from arealcli.runtime.server.protocol import Completion, parse_completion
+
+logger = logging.getLogger(__name__)
+
+
+class GenerationServerError(RuntimeError):
+    """A generation server failed, or none could be reached; the message says which and why."""
+
+
+@dataclass
+class Sample:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_type: str  # stop | length
+    weight_versions: list[str | None]  # one per request that contributed tokens
+    resends: int = 0
+
+
+@dataclass
+class _Server:
+    address: str
+    requests: int = 0  # sent so far (tie-break of the load balancer)
+    in_flight: int = 0
+    down_until: float = 0.0  # after a connection failure, others are preferred until then
+    stale: bool = False  # missed a weight update: never used again
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+
+def _describe(e: Exception) -> str:
+    text = str(e) or type(e).__name__
+    if isinstance(e, httpx.ConnectError) and "refused" in text.lower():
+        return "connection refused"
+    return text
+
+
+class GenerationClient:
+    def __init__(
+        self,
+        addresses: list[str],
+        request_timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        max_concurrent_requests: int = 256,
+        max_abort_resends: int = 8,
+        why_down: Callable[[str], str | None] | None = None,
+    ):
+        if not addresses:
+            raise ValueError("a generation client needs at least one server address")
+        self.servers = [_Server(a) for a in addresses]
+        self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
+        self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
+        self.max_concurrent_requests, self.max_abort_resends = max_concurrent_requests, max_abort_resends
+        self.why_down = why_down or (lambda address: None)  # e.g. "the process exited (code -9); log: ..."
+        self._http: httpx.AsyncClient | None = None
+        self._sem: asyncio.Semaphore | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            n = self.max_concurrent_requests + len(self.servers)
+            self._http = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s, pool=None),
+                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+                trust_env=False,  # loopback and cluster addresses must not go through a proxy
+            )
+            self._sem = asyncio.Semaphore(self.max_concurrent_requests)
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+    def _pick(self, tried: set[str]) -> _Server | None:
+        live = [s for s in self.servers if not s.stale]
+        now = time.monotonic()
+        up = [s for s in live if s.down_until <= now]
+        pool = [s for s in up if s.address not in tried] or up or live
+        return min(pool, key=lambda s: (s.in_flight, s.requests)) if pool else None
+
+    def _failure(self, s: _Server, e: Exception) -> str:
+        why = self.why_down(s.address)
+        return f"{s.address}: {_describe(e)}" + (f" ({why})" if why else "")
+
+    async def post(self, path: str, payload: dict[str, Any]) -> Any:
+        """POST to the least-loaded server; on connection failures, to another one (with backoff)."""
+        client = self._client()
+        errors: list[str] = []
+        tried: set[str] = set()
+        for attempt in range(self.max_retries + 1):
+            s = self._pick(tried)
+            if s is None:
+                break
+            tried.add(s.address)
+            s.in_flight += 1
+            s.requests += 1
+            try:
+                resp = await client.post(s.url + path, json=payload)
+            except httpx.ConnectTimeout as e:
+                error: Exception = e
+            except httpx.TimeoutException:
+                raise GenerationServerError(
+                    f"{path} on {s.address} got no answer within request_timeout_s={self.request_timeout_s:g} s; "
+                    "the server may be overloaded or stuck (raise request_timeout_s for long generations)"
+                ) from None
+            except httpx.TransportError as e:  # refused, reset, the server died mid-request
+                error = e
+            else:
+                if resp.status_code < 500:
+                    return _json_or_raise(resp, s.address, path)
+                error = httpx.HTTPStatusError(
+                    f"HTTP {resp.status_code}: {_error_message(resp)}", request=resp.request, response=resp
+                )
+            finally:
+                s.in_flight -= 1
+            errors.append(self._failure(s, error))
+            s.down_until = time.monotonic() + self.retry_backoff_s * 2**attempt
+            if attempt < self.max_retries and not any(
+                x.down_until <= time.monotonic() for x in self.servers if not x.stale
+            ):
+                await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+        raise GenerationServerError(
+            f"{path} failed on every generation server after {len(errors)} attempt(s): " + "; ".join(errors)
+            if errors
+            else f"{path}: no generation server left (all missed a weight update or failed)"
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, prompt: list[int], params: dict[str, Any], n: int) -> list[Sample]:
+        """`n` samples of one prompt (one request); aborted samples are re-sent until they finish."""
+        self._client()
+        assert self._sem is not None
+        async with self._sem:
+            out = await self.post(
+                "/generate", {"input_ids": prompt, "sampling_params": {**params, "n": n}, "return_logprob": True}
+            )
+        items = out if isinstance(out, list) else [out]
+        if len(items) != n:
+            raise GenerationServerError(f"/generate returned {len(items)} samples for n={n}")
+        return list(await asyncio.gather(*(self._finish(prompt, params, _parse(i)) for i in items)))
+
+    async def _finish(self, prompt: list[int], params: dict[str, Any], c: Completion) -> Sample:
+        ids, lps, versions, resends = list(c.output_ids), list(c.logprobs), [c.weight_version], 0
+        while c.finish_type == "abort":
+            status = c.finish.get("status_code")
+            if isinstance(status, int) and 400 <= status < 500:
+                raise GenerationServerError(f"the server rejected a request: {c.finish.get('message')}")
+            remaining = params["max_new_tokens"] - len(ids)
+            if remaining <= 0:
+                return Sample(ids, lps, "length", versions, resends)
+            resends += 1
+            if resends > self.max_abort_resends:
+                raise GenerationServerError(
+                    f"a sample was aborted {resends} times (max_abort_resends={self.max_abort_resends}); "
+                    f"last reason: {c.finish.get('message')}"
+                )
+            again = {
+                **params,
+                "max_new_tokens": remaining,
+                "min_new_tokens": max(0, params.get("min_new_tokens", 0) - len(ids)),
+                "n": 1,
+            }
+            assert self._sem is not None
+            async with self._sem:
+                out = await self.post(
+                    "/generate", {"input_ids": prompt + ids, "sampling_params": again, "return_logprob": True}
+                )
+            c = _parse(out[0] if isinstance(out, list) else out)
+            ids += c.output_ids
+            lps += c.logprobs
+            versions.append(c.weight_version)
+        return Sample(ids, lps, c.finish_type, versions, resends)
+
+    # ------------------------------------------------------------------ control
+
+    async def check_all(self) -> list[dict[str, Any]]:
+        """Every server answers /health and /get_model_info; a clear error names those that do not."""
+        client = self._client()
+
+        async def one(s: _Server) -> dict[str, Any]:
+            try:
+                (await client.get(s.url + "/health", timeout=self.connect_timeout_s)).raise_for_status()
+                info = await client.get(s.url + "/get_model_info", timeout=self.connect_timeout_s)
+                return info.json()
+            except (httpx.HTTPError, ValueError) as e:
+                raise GenerationServerError(
+                    f"cannot use the generation server at {s.address}: {_describe(e)}. Is it running? "
+                    "(start one with `areal serve --model DIR --port N`, or set `launch:` in the backend args)"
+                ) from None
+
+        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+
+    async def update_weights(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """POST /update_weights_from_disk to every server. A server that cannot be reached is dropped for
+        good (it would generate with old weights); an error if one refuses or none is left."""
+        client = self._client()
+        live = [s for s in self.servers if not s.stale]
+
+        async def one(s: _Server) -> Any:
+            resp = await client.post(s.url + "/update_weights_from_disk", json=payload)
+            return _json_or_raise(resp, s.address, "/update_weights_from_disk", allow_400=True)
+
+        results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)
+        failures, answers = [], []
+        for s, r in zip(live, results, strict=True):
+            if isinstance(r, httpx.TransportError):
+                s.stale = True
+                logger.warning("dropping generation server %s: %s", s.address, self._failure(s, r))
+            elif isinstance(r, BaseException):
+                failures.append(f"{s.address}: {r}")
+            elif not r.get("success"):
+                failures.append(f"{s.address}: {r.get('message')}")
+            else:
+                answers.append(r)
+        if failures:
+            raise GenerationServerError("weight update failed: " + "; ".join(failures))
+        if not answers:
+            raise GenerationServerError(
+                "weight update reached no generation server: " + ", ".join(s.address for s in self.servers)
+            )
+        return answers
+
+
+def _parse(item: Any) -> Completion:
+    try:
+        return parse_completion(item)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise GenerationServerError(f"unexpected /generate response: {e}") from None
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:500]
+
+
+def _json_or_raise(resp: httpx.Response, address: str, path: str, allow_400: bool = False) -> Any:
+    if resp.status_code >= 400 and not (allow_400 and resp.status_code == 400):
+        raise GenerationServerError(
+            f"{address} refused {path} (HTTP {resp.status_code}): {_error_message(resp)}"
+        )
+    try:
+        return resp.json()
+    except ValueError:
+        raise GenerationServerError(f"{address} answered {path} with non-JSON: {resp.text[:200]!r}") from None
+
+
+@dataclass
+class EventLoopThread:
+    """An asyncio loop in a daemon thread, so synchronous callers (the trainer) can run coroutines."""
+
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+
+    def __post_init__(self) -> None:
+        self._thread = threading.Thread(target=self.loop.run_forever, name="generation-client", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+        if not self.loop.is_running():
+            self.loop.close()
