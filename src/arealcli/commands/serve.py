@@ -29,16 +29,26 @@ def serve(
     device: Device = typer.Option(Device.auto, help="auto = cuda when available, else cpu."),
     dtype: Dtype = typer.Option(Dtype.float32, help="Weights and compute dtype."),
     batch_window_ms: float = typer.Option(
-        5.0, min=0, help="After a request arrives, wait this long for others to generate together."
+        5.0,
+        min=0,
+        help="Batch requests that arrive within this long of each other (waiting at most 10x this long).",
     ),
     max_batch_size: int = typer.Option(256, min=1, help="Most samples in one generate call."),
     weight_version: str = typer.Option("default", help="weight_version reported until an update sets one."),
+    num_threads: int = typer.Option(
+        0, min=0, help="torch CPU threads (0 = torch's default; 1 is fastest for small models on busy CPUs)."
+    ),
     log_requests: bool = typer.Option(False, "--log-requests", help="Log every HTTP request."),
 ) -> None:
     """Serve a model over SGLang's native HTTP protocol: /generate, /update_weights_from_disk, /health, ..."""
     if not (model / "config.json").is_file():
         raise fail([f"--model {model}: not a Hugging Face model directory (no config.json)"])
     from arealcli.runtime.server.http_server import make_server, serve_forever
+
+    if num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)
 
     try:
         server = make_server(
@@ -53,7 +63,7 @@ def serve(
             log_requests,
         )
     except OSError as e:
-        raise fail([f"cannot listen on {host}:{port}: {e.strerror or e}"]) from None
+        raise fail([str(e)]) from None
 
     def ready(h: str, p: int) -> None:
         console.print(f"serving {model} at http://{h}:{p} (SGLang native protocol)", highlight=False)

@@ -75,16 +75,15 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 def mean_over_ranks(stats: dict[str, float]) -> dict[str, float]:
-    """Each stat averaged over the ranks that report it (rank 0's key order first)."""
+    """Each stat averaged over the ranks that report it (rank 0's key order first); a value every
+    rank agrees on is kept as it is (global stats, counters)."""
     if world() == 1:
         return stats
-    sums: dict[str, float] = {}
-    counts: dict[str, int] = {}
+    values: dict[str, list[float]] = {}
     for part in all_gather_object(stats):
         for k, v in part.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-            counts[k] = counts.get(k, 0) + 1
-    return {k: sums[k] / counts[k] for k in sums}
+            values.setdefault(k, []).append(v)
+    return {k: v[0] if all(x == v[0] for x in v) else sum(map(float, v)) / len(v) for k, v in values.items()}
 
 
 def slice_bounds(n: int, rank_: int, world_: int) -> tuple[int, int]:

@@ -16,8 +16,7 @@ import logging
 import os
 import re
 import socket
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 # Messages of errors a healthy worker raises because a peer died (not the root cause).
@@ -45,7 +44,7 @@ class LaunchSpec:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
-    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    run_id: str = "areal"  # the rendezvous key prefix: the same on every node
 
     @property
     def world(self) -> int:
@@ -71,8 +70,9 @@ def launch(job: WorkerJob, spec: LaunchSpec) -> LaunchResult:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, once
+    for name in list(logging.root.manager.loggerDict):  # torch sets a level on each module's logger
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # we report failures ourselves, once
     port = spec.master_port or (free_port() if spec.nnodes == 1 else 29500)
     # Like torchrun: do not let N workers each start one thread per core.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node)))
@@ -144,9 +144,14 @@ def _drop_wrapper_frames(trace: str) -> str:
 
 def run_worker(job: WorkerJob) -> int:
     """One rank: join the process group, train, leave. Returns the last global step."""
+    import signal
+
     import torch
     import torch.distributed as dist
 
+    # Ctrl-C (or the agent passing it on) ends a worker at once, even inside a blocking collective,
+    # where a Python KeyboardInterrupt would wait for peers forever. Checkpoints are atomic: safe.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -155,8 +160,6 @@ def run_worker(job: WorkerJob) -> int:
         dist.init_process_group("gloo")
     try:
         return _train(job, dist.get_rank())
-    except KeyboardInterrupt:
-        return -1
     finally:
         dist.destroy_process_group()
 

@@ -160,7 +160,8 @@ class Trainer:
                     )
             stats.update({"epoch": epoch, "timing/step_s": time.perf_counter() - t0})
             stats = distributed.mean_over_ranks(stats)
-            if t.eval_every_n_steps and self.global_step % t.eval_every_n_steps == 0:
+            last_step = self.global_step == self.total_steps
+            if t.eval_every_n_steps and (self.global_step % t.eval_every_n_steps == 0 or last_step):
                 stats.update(self.evaluate())
             log_now = self.global_step % t.log_every_n_steps == 0 or self.global_step == self.total_steps
             if log_now:

@@ -59,7 +59,9 @@ class WeightSync:
         if distributed.rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            older = sorted((p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:]))
+            older = sorted(
+                (p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:])
+            )
             for old in older[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
         distributed.barrier()

@@ -189,7 +189,7 @@ class FSDPEngine:
         the forwards inside run without collectives."""
         for unit in self.units:
             unit.unshard()
-        layers = [u for u in self.units if u is not self.module]  # the root keeps its own setting
+        layers = [u for u in self.units if u is not self.module]  # the root never reshards after forward
         for unit in layers:
             unit.set_reshard_after_forward(False, recurse=False)
         try:
@@ -262,16 +262,17 @@ class FSDPBackend(ModelBackend):
         architecture = type(module).__name__
         module = module.to(device)
         param_dtype, reduce_dtype = DTYPES[a.mixed_precision_param], DTYPES[a.mixed_precision_reduce]
-        mp = MixedPrecisionPolicy(
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            output_dtype=torch.float32 if param_dtype != torch.float32 else None,
-        )
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         mesh = init_device_mesh(device.type, (distributed.world(),))
-        kw = {"mesh": mesh, "mp_policy": mp, "reshard_after_forward": a.reshard_after_forward}
         for layer in decoder_layers(module):
-            fully_shard(layer, **kw)
-        fully_shard(module, **kw)
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=a.reshard_after_forward)
+        # The model's outputs (logits, values) come back in fp32 for the losses. The root's parameters
+        # (embeddings, head) stay gathered from forward to backward (torch's own default for the root);
+        # set explicitly, as `_gathered` relies on it.
+        root_mp = MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32
+        )
+        fully_shard(module, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False)
         model.module = FSDPEngine(
             module, device, a.optimizer, spec.total_train_steps, architecture, a.reshard_after_forward
         )

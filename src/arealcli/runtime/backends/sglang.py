@@ -22,7 +22,7 @@ from arealcli.runtime.generation import GenerationResult
 from arealcli.runtime.model import FinetuneSpec, Model
 from arealcli.runtime.server import launcher
 from arealcli.runtime.server.client import EventLoopThread, GenerationClient, Sample
-from arealcli.runtime.server.protocol import sampling_params
+from arealcli.runtime.server.protocol import sampling_params, update_weights_payload
 from arealcli.schema.components.backends import SGLangBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
@@ -146,12 +146,7 @@ class SGLangBackend(ModelBackend):
 
     def update_weights(self, model: Model, path: str, version: int) -> None:
         assert self.client is not None and self.loop is not None
-        payload = {
-            "model_path": str(Path(path).resolve()),
-            "abort_all_requests": self.args.abort_on_update,
-            "weight_version": str(version),
-            "flush_cache": True,
-        }
+        payload = update_weights_payload(str(Path(path).resolve()), version, self.args.abort_on_update)
         self.loop.run(self.client.update_weights(payload))
 
     def _stop_servers(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -21,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from arealcli.runtime.server.protocol import Completion, parse_completion
+from arealcli.runtime.server.protocol import Completion, generate_payload, parse_completion
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class Sample:
     logprobs: list[float]
     finish_type: str  # stop | length
     weight_versions: list[str | None]  # one per request that contributed tokens
+    pieces: list[int]  # tokens each of those requests contributed
     resends: int = 0
 
 
@@ -52,11 +54,23 @@ class _Server:
         return f"http://{self.address}"
 
 
-def _describe(e: Exception) -> str:
-    text = str(e) or type(e).__name__
-    if isinstance(e, httpx.ConnectError) and "refused" in text.lower():
-        return "connection refused"
-    return text
+def _describe(e: BaseException) -> str:
+    """The root cause in a few words ("connection refused" rather than httpx's "All connection
+    attempts failed")."""
+    cause: BaseException | None = e
+    for _ in range(8):
+        if cause is None:
+            break
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, ConnectionResetError):
+            return "connection reset by the server"
+        if isinstance(cause, socket.gaierror):
+            return f"cannot resolve the host ({cause.strerror})"
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(e, httpx.RemoteProtocolError):
+        return f"the server closed the connection ({e})"
+    return str(e) or type(e).__name__
 
 
 class GenerationClient:
@@ -160,9 +174,7 @@ class GenerationClient:
         self._client()
         assert self._sem is not None
         async with self._sem:
-            out = await self.post(
-                "/generate", {"input_ids": prompt, "sampling_params": {**params, "n": n}, "return_logprob": True}
-            )
+            out = await self.post("/generate", generate_payload(prompt, params, n))
         items = out if isinstance(out, list) else [out]
         if len(items) != n:
             raise GenerationServerError(f"/generate returned {len(items)} samples for n={n}")
@@ -170,13 +182,14 @@ class GenerationClient:
 
     async def _finish(self, prompt: list[int], params: dict[str, Any], c: Completion) -> Sample:
         ids, lps, versions, resends = list(c.output_ids), list(c.logprobs), [c.weight_version], 0
+        pieces = [len(c.output_ids)]
         while c.finish_type == "abort":
             status = c.finish.get("status_code")
             if isinstance(status, int) and 400 <= status < 500:
                 raise GenerationServerError(f"the server rejected a request: {c.finish.get('message')}")
             remaining = params["max_new_tokens"] - len(ids)
             if remaining <= 0:
-                return Sample(ids, lps, "length", versions, resends)
+                return Sample(ids, lps, "length", versions, pieces, resends)
             resends += 1
             if resends > self.max_abort_resends:
                 raise GenerationServerError(
@@ -187,18 +200,16 @@ class GenerationClient:
                 **params,
                 "max_new_tokens": remaining,
                 "min_new_tokens": max(0, params.get("min_new_tokens", 0) - len(ids)),
-                "n": 1,
             }
             assert self._sem is not None
             async with self._sem:
-                out = await self.post(
-                    "/generate", {"input_ids": prompt + ids, "sampling_params": again, "return_logprob": True}
-                )
+                out = await self.post("/generate", generate_payload(prompt + ids, again, 1))
             c = _parse(out[0] if isinstance(out, list) else out)
             ids += c.output_ids
             lps += c.logprobs
             versions.append(c.weight_version)
-        return Sample(ids, lps, c.finish_type, versions, resends)
+            pieces.append(len(c.output_ids))
+        return Sample(ids, lps, c.finish_type, versions, pieces, resends)
 
     # ------------------------------------------------------------------ control
 

@@ -1,23 +1,31 @@
-"""The HTTP face of `areal serve`: SGLang's native endpoints over the standard library's threaded server.
+"""The HTTP face of `areal serve`: SGLang's native endpoints on an aiohttp server.
 
     POST /generate                   generate (single, batch, n > 1; logprobs)
     POST /update_weights_from_disk   {model_path, abort_all_requests?, weight_version?, flush_cache?}
     POST /abort_request              {abort_all: true}
+    POST /slow_down                  {forward_sleep_time: seconds | null}  (SGLang's test hook)
     GET  /health, /health_generate   200 once the model is loaded
     GET  /get_model_info, /model_info
+    GET  /get_server_info, /server_info  (internal_states: batches, samples, tokens so far)
     GET|POST /flush_cache            nothing is cached across requests: always succeeds
 
-Every connection gets a thread that parks on its samples' events; the scheduler batches them.
+One event-loop thread serves every connection (no thread per connection: on a busy CPU, handing requests
+between many threads costs more than generating); the scheduler's thread batches and generates, and
+wakes the waiting requests through the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-import sys
+import logging
+import socket
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import traceback
 from typing import Any
-from urllib.parse import urlsplit
+
+from aiohttp import web
 
 from arealcli.runtime.server.model_runner import ModelRunner
 from arealcli.runtime.server.protocol import ProtocolError, generate_response, parse_generate
@@ -25,7 +33,7 @@ from arealcli.runtime.server.scheduler import Scheduler, Sequence
 
 
 class GenerationService:
-    """The endpoints, as plain methods: body (parsed JSON) -> (status, JSON payload or text)."""
+    """The endpoints, as methods: body (parsed JSON) -> (status, JSON payload, or text when a str)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler):
         self.runner, self.scheduler = runner, scheduler
@@ -33,7 +41,7 @@ class GenerationService:
         self.tokenizer_path = runner.tokenizer_path
         self.shutting_down = False
 
-    def generate(self, body: Any) -> tuple[int, Any]:
+    async def generate(self, body: Any) -> tuple[int, Any]:
         t0 = time.perf_counter()
         req = parse_generate(body)
         r = self.runner
@@ -51,9 +59,14 @@ class GenerationService:
             rids = [rid] if sampling.n == 1 else [f"{rid}-{j}" for j in range(sampling.n)]
             per_prompt.append([Sequence(x, ids, sampling, max_new) for x in rids])
         seqs = [s for group in per_prompt for s in group]
-        self.scheduler.submit(seqs)
+        loop = asyncio.get_running_loop()
+        waits = []
         for s in seqs:
-            s.done.wait()
+            done = loop.create_future()
+            s.on_done = lambda done=done: loop.call_soon_threadsafe(_resolve, done)
+            waits.append(done)
+        self.scheduler.submit(seqs)
+        await asyncio.gather(*waits)
         errors = [s.error for s in seqs if s.error]
         if errors:
             return 500, {"error": {"message": errors[0]}}
@@ -77,27 +90,42 @@ class GenerationService:
                 )
         return 200, out if req.is_batch or len(out) > 1 else out[0]
 
-    def update_weights_from_disk(self, body: Any) -> tuple[int, Any]:
+    async def update_weights_from_disk(self, body: Any) -> tuple[int, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
-            return 400, {"success": False, "message": "model_path (a string) is required", "num_paused_requests": 0}
+            return 400, {
+                "success": False,
+                "message": "model_path (a string) is required",
+                "num_paused_requests": 0,
+            }
         version = body.get("weight_version")
-        ok, message = self.scheduler.update_weights(
-            body["model_path"], None if version is None else str(version), bool(body.get("abort_all_requests"))
+        ok, message = await asyncio.to_thread(  # waits for the running batch: off the event loop
+            self.scheduler.update_weights,
+            body["model_path"],
+            None if version is None else str(version),
+            bool(body.get("abort_all_requests")),
         )
         if ok:
             self.served_model_name = body["model_path"]  # SGLang moves the served name with the weights
         return (200 if ok else 400), {"success": ok, "message": message, "num_paused_requests": 0}
 
-    def abort_request(self, body: Any) -> tuple[int, Any]:
+    async def abort_request(self, body: Any) -> tuple[int, Any]:
         if not isinstance(body, dict) or not body.get("abort_all"):
-            raise ProtocolError("the embedded server aborts only all requests: send {\"abort_all\": true}")
+            raise ProtocolError('the embedded server aborts only all requests: send {"abort_all": true}')
         self.scheduler.abort_all("Aborted by abort_request")
         return 200, ""
 
-    def health(self, body: Any) -> tuple[int, Any]:
+    async def slow_down(self, body: Any) -> tuple[int, Any]:
+        """SGLang's test hook: sleep `forward_sleep_time` seconds before every decode step (null = off)."""
+        sleep = body.get("forward_sleep_time") if isinstance(body, dict) else None
+        if sleep is not None and (isinstance(sleep, bool) or not isinstance(sleep, int | float) or sleep < 0):
+            raise ProtocolError(f"forward_sleep_time must be a non-negative number or null (got {sleep!r})")
+        self.scheduler.forward_sleep_s = float(sleep or 0.0)
+        return 200, None
+
+    async def health(self, body: Any) -> tuple[int, Any]:
         return (503 if self.shutting_down else 200), ""
 
-    def model_info(self, body: Any) -> tuple[int, Any]:
+    async def model_info(self, body: Any) -> tuple[int, Any]:
         return 200, {
             "model_path": self.runner.model_path,
             "served_model_name": self.served_model_name,
@@ -115,83 +143,107 @@ class GenerationService:
             "architectures": self.runner.architectures,
         }
 
-    def flush_cache(self, body: Any) -> tuple[int, Any]:
+    async def server_info(self, body: Any) -> tuple[int, Any]:
+        sch = self.scheduler
+        return 200, {
+            "model_path": self.runner.model_path,
+            "batch_window_ms": sch.batch_window_s * 1000,
+            "max_batch_size": sch.max_batch_size,
+            "internal_states": [dict(sch.stats)],  # batches, samples, tokens generated so far
+            "version": "arealcli-embedded",
+        }
+
+    async def flush_cache(self, body: Any) -> tuple[int, Any]:
         return 200, "Cache flushed.\n"
 
 
-ROUTES = {
-    ("POST", "/generate"): "generate",
-    ("PUT", "/generate"): "generate",
-    ("POST", "/update_weights_from_disk"): "update_weights_from_disk",
-    ("POST", "/abort_request"): "abort_request",
-    ("GET", "/health"): "health",
-    ("GET", "/health_generate"): "health",
-    ("GET", "/get_model_info"): "model_info",
-    ("GET", "/model_info"): "model_info",
-    ("GET", "/flush_cache"): "flush_cache",
-    ("POST", "/flush_cache"): "flush_cache",
-}
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: a client reuses its connections
-    server: _Server
+ROUTES = [
+    ("POST", "/generate", "generate"),
+    ("PUT", "/generate", "generate"),
+    ("POST", "/update_weights_from_disk", "update_weights_from_disk"),
+    ("POST", "/abort_request", "abort_request"),
+    ("POST", "/slow_down", "slow_down"),
+    ("GET", "/slow_down", "slow_down"),
+    ("GET", "/health", "health"),
+    ("GET", "/health_generate", "health"),
+    ("GET", "/get_model_info", "model_info"),
+    ("GET", "/model_info", "model_info"),
+    ("GET", "/get_server_info", "server_info"),
+    ("GET", "/server_info", "server_info"),
+    ("GET", "/flush_cache", "flush_cache"),
+    ("POST", "/flush_cache", "flush_cache"),
+]
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002  (the stdlib's name)
-        if self.server.log_requests:
-            super().log_message(format, *args)
 
-    def do_GET(self) -> None:  # noqa: N802
-        self._dispatch("GET")
+def _respond(status: int, payload: Any) -> web.Response:
+    if isinstance(payload, str):
+        return web.Response(status=status, text=payload)
+    return web.Response(status=status, body=json.dumps(payload).encode(), content_type="application/json")
 
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
 
-    def do_PUT(self) -> None:  # noqa: N802
-        self._dispatch("PUT")
+def make_app(service: GenerationService) -> web.Application:
+    def route(name: str):
+        method = getattr(service, name)
 
-    def _dispatch(self, method: str) -> None:
-        path = urlsplit(self.path).path
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        name = ROUTES.get((method, path))
-        if name is None:
-            known = any(p == path for _, p in ROUTES)
-            self._send(405 if known else 404, {"detail": "Method Not Allowed" if known else "Not Found"})
-            return
+        async def handle(request: web.Request) -> web.Response:
+            raw = await request.read()
+            try:
+                body = json.loads(raw) if raw.strip() else {}
+            except ValueError as e:
+                return _respond(400, {"error": {"message": f"the body is not valid JSON: {e}"}})
+            try:
+                return _respond(*await method(body))
+            except (ProtocolError, ValueError) as e:
+                return _respond(400, {"error": {"message": str(e)}})
+            except Exception as e:  # a bug or a device error: the client sees it, the server keeps serving
+                traceback.print_exc()
+                return _respond(500, {"error": {"message": f"{type(e).__name__}: {e}"}})
+
+        return handle
+
+    app = web.Application(client_max_size=1 << 30)
+    for method, path, name in ROUTES:
+        app.router.add_route(method, path, route(name))
+    return app
+
+
+class GenerationServer:
+    """A bound socket, the service behind it, and the loop that serves it (`serve_forever`)."""
+
+    def __init__(self, service: GenerationService, sock: socket.socket, log_requests: bool):
+        self.service, self.sock, self.log_requests = service, sock, log_requests
+
+    @property
+    def server_address(self) -> tuple[str, int]:
+        return self.sock.getsockname()[:2]
+
+    async def _serve(self, on_ready) -> None:
+        if self.log_requests:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+        access_log = logging.getLogger("aiohttp.access") if self.log_requests else None
+        runner = web.AppRunner(make_app(self.service), access_log=access_log)
+        await runner.setup()
+        await web.SockSite(runner, self.sock, backlog=1024).start()
+        if on_ready is not None:
+            on_ready(*self.server_address)
         try:
-            body = json.loads(raw) if raw.strip() else {}
-        except ValueError as e:
-            self._send(400, {"error": {"message": f"the body is not valid JSON: {e}"}})
-            return
+            await asyncio.Event().wait()  # until cancelled (Ctrl-C) or killed
+        finally:
+            self.service.shutting_down = True
+            self.service.scheduler.stop()
+            await runner.cleanup()
+
+    def serve_forever(self, on_ready=None) -> None:
         try:
-            status, payload = getattr(self.server.service, name)(body)
-        except (ProtocolError, ValueError) as e:
-            status, payload = 400, {"error": {"message": str(e)}}
-        except Exception as e:  # a bug or a device error: the client sees it, the server keeps serving
-            status, payload = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
-        self._send(status, payload)
-
-    def _send(self, status: int, payload: Any) -> None:
-        if isinstance(payload, str):
-            data, ctype = payload.encode(), "text/plain; charset=utf-8"
-        else:
-            data, ctype = json.dumps(payload).encode(), "application/json"
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 256
-
-    def __init__(self, address, service: GenerationService, log_requests: bool):
-        self.service, self.log_requests = service, log_requests
-        super().__init__(address, _Handler)
+            asyncio.run(self._serve(on_ready))
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.close()
 
 
 def make_server(
@@ -204,22 +256,17 @@ def make_server(
     max_batch_size: int = 256,
     weight_version: str = "default",
     log_requests: bool = False,
-) -> _Server:
-    """Load the model, start the batching loop and bind the socket (port 0 = any free port)."""
+) -> GenerationServer:
+    """Load the model, bind the socket (port 0 = any free port) and start the batching loop."""
     runner = ModelRunner(model_path, device, dtype)
+    try:
+        sock = socket.create_server((host, port), backlog=1024)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     scheduler = Scheduler(runner, batch_window_ms / 1000, max_batch_size, weight_version)
     scheduler.start()
-    return _Server((host, port), GenerationService(runner, scheduler), log_requests)
+    return GenerationServer(GenerationService(runner, scheduler), sock, log_requests)
 
 
-def serve_forever(server: _Server, on_ready=None) -> None:
-    host, port = server.server_address[:2]
-    if on_ready is not None:
-        on_ready(host, port)
-    sys.stdout.flush()
-    try:
-        server.serve_forever(poll_interval=0.2)
-    finally:
-        server.service.shutting_down = True
-        server.service.scheduler.stop()
-        server.server_close()
+def serve_forever(server: GenerationServer, on_ready=None) -> None:
+    server.serve_forever(on_ready)

@@ -25,6 +25,9 @@ class RowResult:
 class ModelRunner:
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32"):
         from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
         if not (Path(model_path) / "config.json").exists():
             raise FileNotFoundError(f"{model_path} is not a Hugging Face model directory (no config.json)")
@@ -34,7 +37,9 @@ class ModelRunner:
         )
         self.dtype = DTYPES[dtype]
         config = AutoConfig.from_pretrained(model_path)
-        self.module = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        self.module = (
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        )
         self.tokenizer = self._load_tokenizer(model_path)
         self.vocab_size = self.module.get_input_embeddings().num_embeddings
         self.context_length = int(getattr(config, "max_position_embeddings", 1 << 20))
@@ -72,7 +77,11 @@ class ModelRunner:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], sampling: Sampling, max_new_tokens: int, should_abort: Callable[[], bool]
+        self,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        max_new_tokens: int,
+        should_abort: Callable[[], bool],
     ) -> list[RowResult]:
         """Sample up to `max_new_tokens` for every prompt with the same params; stops early on abort."""
         eos = set() if sampling.ignore_eos else self.eos_ids

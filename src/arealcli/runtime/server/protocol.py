@@ -183,6 +183,21 @@ def sampling_params(g: GenerationHyperparameters, stop_token_ids: list[int], n: 
     return params
 
 
+def generate_payload(prompt: list[int], params: dict[str, Any], n: int) -> dict[str, Any]:
+    """The /generate body the client sends for `n` samples of one prompt."""
+    return {"input_ids": prompt, "sampling_params": {**params, "n": n}, "return_logprob": True}
+
+
+def update_weights_payload(path: str, version: int, abort: bool) -> dict[str, Any]:
+    """The /update_weights_from_disk body (UpdateWeightFromDiskReqInput)."""
+    return {
+        "model_path": path,
+        "abort_all_requests": abort,
+        "weight_version": str(version),
+        "flush_cache": True,
+    }
+
+
 # --------------------------------------------------------------------------- /generate requests
 
 
@@ -233,7 +248,9 @@ def parse_generate(body: Any) -> GenerateRequest:
         if not prompts or not all(isinstance(t, str) for t in prompts):
             raise ProtocolError("text must be a string or a non-empty list of strings")
     size = len(prompts)
-    sampling = [parse_sampling(s) for s in _per_prompt(body.get("sampling_params"), size, is_batch, "sampling_params")]
+    sampling = [
+        parse_sampling(s) for s in _per_prompt(body.get("sampling_params"), size, is_batch, "sampling_params")
+    ]
     if len({s.n for s in sampling}) > 1:
         raise ProtocolError("every prompt of a batch must use the same sampling_params.n")
     logprob = [bool(x) for x in _per_prompt(body.get("return_logprob"), size, is_batch, "return_logprob")]
@@ -244,7 +261,9 @@ def parse_generate(body: Any) -> GenerateRequest:
         rids = [f"{rid}_{i}" for i in range(size)] if is_batch else [rid]
     else:
         rids = [str(r) for r in _per_prompt(rid, size, is_batch, "rid")]
-    return GenerateRequest(prompts, sampling, logprob, rids, is_batch, bool(body.get("return_text_in_logprobs")))
+    return GenerateRequest(
+        prompts, sampling, logprob, rids, is_batch, bool(body.get("return_text_in_logprobs"))
+    )
 
 
 # --------------------------------------------------------------------------- /generate responses
@@ -284,7 +303,9 @@ def generate_response(
     }
     if logprobs is not None:
         texts = token_texts or [None] * len(output_ids)
-        meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(logprobs, output_ids, texts, strict=True)]
+        meta["output_token_logprobs"] = [
+            [lp, t, s] for lp, t, s in zip(logprobs, output_ids, texts, strict=True)
+        ]
     return {"text": text, "output_ids": output_ids, "meta_info": meta}
 
 
@@ -317,4 +338,6 @@ def parse_completion(item: Any) -> Completion:
     if len(ids) != len(entries) or any(e[1] != t for e, t in zip(entries, ids, strict=True)):
         raise ValueError("output_ids and output_token_logprobs disagree")
     version = meta.get("weight_version")
-    return Completion(list(ids), [float(e[0]) for e in entries], kind, finish, None if version is None else str(version))
+    return Completion(
+        list(ids), [float(e[0]) for e in entries], kind, finish, None if version is None else str(version)
+    )

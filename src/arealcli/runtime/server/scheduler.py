@@ -1,7 +1,7 @@
 """The batching loop of `areal serve`: requests that arrive together run as one generate call.
 
-One thread takes whatever is queued, waits `batch_window_s` for more, and generates them together
-(grouped by sampling params). Weight updates follow SGLang: with `abort_all_requests` every queued and
+One thread takes whatever is queued, keeps collecting while more arrive (each within `batch_window_s`
+of the previous one, for at most 10 windows), and generates them together (grouped by sampling params). Weight updates follow SGLang: with `abort_all_requests` every queued and
 running sample is aborted first (it returns finish_reason "abort" with the tokens generated so far);
 otherwise the update waits for the running batch to finish. No batch starts while an update is pending.
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,15 +33,27 @@ class Sequence:
     weight_version: str = ""
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[[], None] | None = None  # called (from the scheduler's thread) once done
 
     def complete(self, finish: dict[str, Any], ids=(), logprobs=(), version: str = "") -> None:
         self.output_ids, self.logprobs = list(ids), list(logprobs)
         self.finish, self.weight_version = finish, version
+        self._done()
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self._done()
+
+    def _done(self) -> None:
         self.done.set()
+        if self.on_done is not None:
+            self.on_done()
 
 
 class Scheduler:
-    def __init__(self, runner, batch_window_s: float = 0.005, max_batch_size: int = 256, weight_version="default"):
+    def __init__(
+        self, runner, batch_window_s: float = 0.005, max_batch_size: int = 256, weight_version="default"
+    ):
         self.runner = runner
         self.batch_window_s = batch_window_s
         self.max_batch_size = max_batch_size
@@ -52,6 +66,7 @@ class Scheduler:
         self._running = False
         self._stopped = False
         self._update_lock = threading.Lock()
+        self.forward_sleep_s = 0.0  # SGLang's /slow_down: sleep before every decode step (tests)
         self._thread = threading.Thread(target=self._loop, name="batching-loop", daemon=True)
         self.stats = {"batches": 0, "samples": 0, "tokens": 0}
 
@@ -115,12 +130,20 @@ class Scheduler:
                 self._cv.wait()
             if self._stopped:
                 return None
-            deadline = time.monotonic() + self.batch_window_s
+            # collect while requests keep coming (each within the window of the last), at most 10 windows
+            now = time.monotonic()
+            cap, quiet_until, seen = (
+                now + 10 * self.batch_window_s,
+                now + self.batch_window_s,
+                len(self._queue),
+            )
             while len(self._queue) < self.max_batch_size and not self._updating and not self._stopped:
-                remaining = deadline - time.monotonic()
+                remaining = min(cap, quiet_until) - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cv.wait(remaining)
+                if len(self._queue) > seen:
+                    seen, quiet_until = len(self._queue), time.monotonic() + self.batch_window_s
             if self._stopped:
                 return None
             if self._queue and not self._updating:
@@ -137,17 +160,19 @@ class Scheduler:
             try:
                 self._run(batch, epoch)
             except Exception as e:  # the requests get an error; the loop goes on
+                traceback.print_exc()
                 for s in batch:
                     if not s.done.is_set():
-                        s.error = f"{type(e).__name__}: {e}"
-                        s.done.set()
+                        s.fail(f"{type(e).__name__}: {e}")
             finally:
                 with self._cv:
                     self._running = False
                     self._cv.notify_all()
 
     def _run(self, batch: list[Sequence], epoch: int) -> None:
-        def aborted() -> bool:
+        def aborted() -> bool:  # polled before every decode step
+            if self.forward_sleep_s:
+                time.sleep(self.forward_sleep_s)
             return self._abort_epoch != epoch
 
         version = self.weight_version
@@ -162,7 +187,7 @@ class Scheduler:
             if todo and not aborted():
                 max_new = max(s.max_new_tokens for s in todo)
                 rows = self.runner.generate([s.prompt for s in todo], key, max_new, aborted)
-                was_aborted = aborted()
+                was_aborted = self._abort_epoch != epoch
                 for s, row in zip(todo, rows, strict=True):
                     self._finish(s, row, was_aborted, version)
             for s in todo:

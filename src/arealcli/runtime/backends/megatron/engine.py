@@ -47,6 +47,7 @@ class MegatronEngine:
         dtype: torch.dtype,
         device: torch.device,
         distributed_optimizer: bool = False,
+        make_vocab_size_divisible_by: int = 128,
     ):
         from megatron.core import parallel_state as ps
 
@@ -60,8 +61,12 @@ class MegatronEngine:
         self.dtype = dtype
         self.device = device
         self.distributed_optimizer = distributed_optimizer
+        self.make_vocab_size_divisible_by = make_vocab_size_divisible_by
         self.stage = Stage.current()
-        self.tp_rank, self.tp_world = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+        self.tp_rank, self.tp_world = (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+        )
         self.pp_rank, self.pp_world = ps.get_pipeline_model_parallel_rank(), self.stage.size
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -171,8 +176,10 @@ class MegatronEngine:
         loss_weight_fn: LossWeightFn,
         version_steps: int,
         token_normalize_scope: str = "global",
+        lr_scale: float = 1.0,
     ) -> dict[str, float]:
-        """One optimizer step over ``input_`` (this replica's slice of the global batch).
+        """One optimizer step over ``input_`` (this replica's slice of the global batch); the LR is
+        the schedule at ``version_steps`` times ``lr_scale``.
 
         Micro-batch i's loss is weighted by w_i / W * dp: W sums the weights over every micro-batch
         of every data-parallel rank ("global"; this rank's only for "dp"), and megatron's DDP
@@ -181,12 +188,14 @@ class MegatronEngine:
         from megatron.core.distributed import finalize_model_grads
 
         if self.optimizer is None:
-            raise RuntimeError("this model has no optimizer: set `optimizer:` in its backend args to train it")
+            raise RuntimeError(
+                "this model has no optimizer: set `optimizer:` in its backend args to train it"
+            )
         if token_normalize_scope not in ("global", "dp"):
             raise ValueError(f"token_normalize_scope must be 'global' or 'dp', got {token_normalize_scope!r}")
         self._check_same_batch(input_, "packed_input_ids")
         self.model.train()
-        lr = lr_at(version_steps, self.total_train_steps, self.optimizer_cfg)
+        lr = lr_at(version_steps, self.total_train_steps, self.optimizer_cfg) * lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.zero_grad_buffer()
@@ -195,8 +204,9 @@ class MegatronEngine:
         mbs = self._split_evenly(input_, mb_spec)
         weights = [float(loss_weight_fn(mb)) for mb in mbs]
         local_total = sum(weights)
+        global_total = self._all_reduce([local_total])[0]
         if token_normalize_scope == "global":
-            total, scale = self._all_reduce([local_total])[0], self.dp_world
+            total, scale = global_total, self.dp_world
         else:
             total, scale = local_total, 1
         scale *= float(self.optimizer.get_loss_scale())  # fp16 loss scaling (1 otherwise)
@@ -225,10 +235,12 @@ class MegatronEngine:
         )
         # DP all-reduce of the gradient buffers; tied-embedding gradients across first / last stage.
         finalize_model_grads([self.model])
-        if total > 0:
+        # Every replica must take the same decision (its optimizer step is collective, and the
+        # replicas would drift apart otherwise): step unless no rank had anything to learn from.
+        if global_total > 0:
             _, grad_norm, _ = self.optimizer.step()
             grad_norm = float("nan") if grad_norm is None else float(grad_norm)
-        else:  # nothing to learn from anywhere: no step (as the hf backend, whose grads stay None)
+        else:  # as the hf backend, whose gradients then stay None
             grad_norm = 0.0
 
         loss_sum, sums = self.stage.broadcast_from_last((loss_sum, sums))
@@ -239,7 +251,9 @@ class MegatronEngine:
     # ------------------------------------------------------------------ evaluation / inference
 
     @torch.no_grad()
-    def eval_batch(self, input_: SequenceSample, mb_spec: MicroBatchSpec, loss_fn: LossFn) -> dict[str, float]:
+    def eval_batch(
+        self, input_: SequenceSample, mb_spec: MicroBatchSpec, loss_fn: LossFn
+    ) -> dict[str, float]:
         """``loss_fn`` averaged over this rank's samples (weighted by micro-batch size), like hf."""
         self._check_same_batch(input_, "packed_input_ids")
         self.model.eval()
@@ -325,7 +339,7 @@ class MegatronEngine:
             )
             picked = torch.zeros(2, B, dtype=torch.float64, device=self.device)  # [token; logp]
 
-            def sample_next(cur: SequenceSample, logits: torch.Tensor, t: int = t) -> None:
+            def sample_next(cur: SequenceSample, logits: torch.Tensor, t=t, picked=picked) -> None:
                 last = (cur.cu_seqlens("packed_input_ids")[1:] - 1).to(self.device)
                 nxt = logits[last].float()  # (B, V) logits of each sequence's next token
                 if t < g.min_new_tokens:
@@ -337,11 +351,15 @@ class MegatronEngine:
             # Sampling is random: TP rank 0 of the last stage decides, then every stage hears it.
             if self.stage.last and self.tp_world > 1:
                 dist.broadcast(
-                    picked, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group()
+                    picked,
+                    src=ps.get_tensor_model_parallel_src_rank(),
+                    group=ps.get_tensor_model_parallel_group(),
                 )
             if self.stage.size > 1:
                 dist.broadcast(picked, src=self.stage.last_rank, group=self.stage.group)
-            token = torch.where(finished, torch.full_like(finished, pad_id, dtype=torch.long), picked[0].long())
+            token = torch.where(
+                finished, torch.full_like(finished, pad_id, dtype=torch.long), picked[0].long()
+            )
             tokens.append(token)
             logps.append(picked[1].float())
             finished = finished | torch.isin(token, stop)
@@ -371,7 +389,10 @@ class MegatronEngine:
 
         mine = None
         if self.dp_rank == 0:
-            shard = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in self.gpt.state_dict().items()}
+            shard = {
+                k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                for k, v in self.gpt.state_dict().items()
+            }
             mine = (self.tp_rank, self.pp_rank, shard)
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -398,6 +419,24 @@ class MegatronEngine:
             if tokenizer is not None:
                 tokenizer.save_pretrained(save_dir)
         dist.barrier()
+
+    @torch.no_grad()
+    def load_hf_state(self, hf_state: dict[str, torch.Tensor]) -> None:
+        """Replace the weights by a full HF state dict (every rank takes its own shard of it)."""
+        from arealcli.runtime.backends.megatron.convert import hf_to_megatron
+
+        shard = hf_to_megatron(
+            hf_state,
+            self.hf_config,
+            self.tp_rank,
+            self.tp_world,
+            self.pp_rank,
+            self.pp_world,
+            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
+        )
+        self.gpt.load_state_dict(shard, strict=True)  # copies into the existing parameters
+        if self.optimizer is not None and hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()  # megatron's fp32 master copies follow
 
     def _optimizer_file(self, save_dir: str, kind: str) -> str:
         return os.path.join(save_dir, "megatron_optimizer", f"{kind}_tp{self.tp_rank}_pp{self.pp_rank}.pt")

@@ -1,0 +1,111 @@
+"""`weights_from`: a model that follows a trained model's weights — checked by `areal check`, kept in sync
+by the trainer (in-process hf follower), and end to end with generation servers (quickstart-server)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from arealcli.runtime.trainer import Trainer
+from arealcli.schema.source import load_recipe_source
+from arealcli.schema.validate import RecipeInvalid, validate
+from tests.conftest import REPO, TINY_ARCH, sft_recipe
+
+
+def grpo_recipe(ws, follower: dict | None = None, extra_models: dict | None = None, **update) -> Path:
+    """GRPO on the toy data: one SFT warm-up step, then RL; `actor_gen` generates when given."""
+    recipe = sft_recipe()
+    recipe["experiment"] = "tiny-grpo"
+    actor = {
+        "config": TINY_ARCH,
+        "backend": {"type_": "hf", "args": {"device": "cpu", "optimizer": {"lr": 1e-2}}},
+    }
+    recipe["models"] = {"actor": actor, **({"actor_gen": follower} if follower is not None else {})}
+    recipe["models"].update(extra_models or {})
+    recipe["dataflow"] = {
+        "preset": "grpo",
+        "sft_warmup_steps": 1,
+        "actor": {"generation": {"n": 2, "max_new_tokens": 4}},
+        "reward": {"reward_fn": "exact_match"},
+    }
+    recipe["trainer"] = {"max_steps": 3, "tensorboard": False, "samples_every_n_steps": 1}
+    recipe.update(update)
+    return ws.text("grpo.yaml", yaml.safe_dump(recipe, sort_keys=False))
+
+
+def problems(path: Path) -> list[str]:
+    with pytest.raises(RecipeInvalid) as e:
+        validate(load_recipe_source(path))
+    return e.value.lines()
+
+
+def test_weights_from_must_name_a_trained_model(ws):
+    calls = validate(load_recipe_source(grpo_recipe(ws, {"init_from": "actor", "weights_from": "actor"})))
+    assert {c.name: c.model for c in calls.dataflow.calls}["actor_gen"] == "actor_gen"  # generates there
+
+    (line,) = problems(grpo_recipe(ws, {"init_from": "actor", "weights_from": "actr"}))
+    assert "models.actor_gen.weights_from: no such model; did you mean 'actor'?" in line
+    (line,) = problems(grpo_recipe(ws, {"init_from": "actor", "weights_from": "actor_gen"}))
+    assert "cannot follow its own weights" in line
+    ref = {"ref": {"init_from": "actor"}}  # used for inference only
+    (line,) = problems(grpo_recipe(ws, {"init_from": "actor", "weights_from": "ref"}, extra_models=ref))
+    assert "model 'ref' is not trained by any call" in line and "name a trained model (actor)" in line
+
+
+def test_hf_follower_tracks_the_actor(ws):
+    path = grpo_recipe(ws, {"init_from": "actor", "weights_from": "actor", "backend": {"type_": "hf"}})
+    run = ws.root / "run"
+    trainer = Trainer(validate(load_recipe_source(path)), path.parent, run)
+    try:
+        trainer.setup()
+        trainer.train()
+        actor, gen = trainer.models["actor"], trainer.models["actor_gen"]
+        for (name, p), q in zip(actor.module.module.named_parameters(), gen.module.module.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+        assert actor.version.global_step == gen.version.global_step == 3
+    finally:
+        trainer.close()
+    versions = sorted(p.name for p in (run / "weights" / "actor").iterdir())
+    assert versions == ["v2", "v3"]  # the newest two exports
+    rows = [json.loads(x) for x in (run / "samples" / "step_00000002.jsonl").read_text().splitlines()]
+    assert {r["version"] for r in rows} == {1}  # generated after the warm-up step, by version 1
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["actor_train/version_lag"] == 0 and "timing/weight_sync_actor_s" in last
+
+
+def test_quickstart_server_end_to_end(cli, tmp_path):
+    """The shipped server recipe: an `areal serve` process generates, the actor trains and its weights
+    go to the server after every step; the server's log-probs then equal the trainer's (ratio 1)."""
+    run = tmp_path / "run"
+    result = cli(
+        "train",
+        REPO / "recipes" / "quickstart-server.yaml",
+        "trainer.max_steps=4",
+        "dataflow.sft_warmup_steps=2",
+        "trainer.samples_every_n_steps=1",
+        "trainer.eval_at_start=false",
+        "trainer.log_every_n_steps=1",
+        "dataflow.actor.n_minibatches=1",  # one update per step: it starts exactly on-policy
+        "-o",
+        run,
+    )
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(x) for x in (run / "samples" / "step_00000004.jsonl").read_text().splitlines()]
+    recipe = yaml.safe_load((REPO / "recipes" / "quickstart-server.yaml").read_text())
+    n = recipe["dataflow"]["actor"]["generation"]["n"]
+    assert len(rows) == recipe["dataset"]["batch_size"] * n and {r["version"] for r in rows} == {3}
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rl = [m for m in metrics if "actor_train/ratio_max" in m]
+    assert len(rl) == 2 and all(m["actor_train/version_lag"] == 0 for m in rl)
+    # behaviour log-probs came from the server; the trainer recomputes the same ones
+    assert all(abs(m["actor_train/ratio_max"] - 1) < 1e-3 and m["actor_train/approx_kl"] < 1e-6 for m in rl)
+    log = (run / "servers" / "actor_gen-0.log").read_text()
+    port = int(re.search(r"http://127\.0\.0\.1:(\d+)", log).group(1))
+    with pytest.raises(OSError):  # the server was stopped with the run
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
