@@ -116,8 +116,18 @@ def reference(model_dir):
 
 @pytest.fixture
 def loop():
+    """A client event loop; clients made with `loop.client(...)` are closed at the end."""
     loop = EventLoopThread()
+    clients: list[GenerationClient] = []
+
+    def client(addresses, **kwargs) -> GenerationClient:
+        clients.append(GenerationClient(addresses, **kwargs))
+        return clients[-1]
+
+    loop.client = client
     yield loop
+    for c in clients:
+        loop.run(c.aclose(), timeout=5)
     loop.close()
 
 
@@ -305,7 +315,7 @@ def test_weights_follow_training(server, model_dir, reference, char_tok, tmp_pat
 
 
 def test_aborted_samples_are_resent_to_full_length(server, model_dir, loop):
-    client = GenerationClient([server.address])
+    client = loop.client([server.address])
     params = sampling_params(GenerationHyperparameters(max_new_tokens=40, min_new_tokens=40), [], n=1)
     post(server, "/slow_down", {"forward_sleep_time": 0.02})  # ~0.8 s per sample
     try:
@@ -326,7 +336,7 @@ def test_aborted_samples_are_resent_to_full_length(server, model_dir, loop):
 
 
 def test_timeout_is_a_clear_bounded_error(server, loop):
-    client = GenerationClient([server.address], request_timeout_s=0.5)
+    client = loop.client([server.address], request_timeout_s=0.5)
     params = sampling_params(GenerationHyperparameters(max_new_tokens=6, min_new_tokens=6), [], n=1)
     post(server, "/slow_down", {"forward_sleep_time": 0.3})
     t0 = time.monotonic()
@@ -362,7 +372,7 @@ def test_server_killed_mid_rollout(model_dir, tmp_path, loop):
 
         def client(addresses):
             why = lambda address: by_address[address].why_down()  # noqa: E731
-            return GenerationClient(addresses, max_retries=2, retry_backoff_s=0.2, why_down=why)
+            return loop.client(addresses, max_retries=2, retry_backoff_s=0.2, why_down=why)
 
         params = sampling_params(GenerationHyperparameters(max_new_tokens=12, min_new_tokens=12), [], n=1)
 

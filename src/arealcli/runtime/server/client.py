@@ -2,9 +2,9 @@
 
 - One `/generate` request per prompt group (`n` samples), many in flight (`max_concurrent_requests`).
 - Load balancing: each request goes to the server with the fewest requests in flight.
-- Connection failures (refused, reset, a server that died mid-request) move the request to another
-  server, with exponential backoff when none is left; a read timeout is an error at once. Every failure
-  is bounded: never a hang.
+- Connection failures (refused, reset, a server that died mid-request, HTTP 5xx) move the request to
+  another server, with exponential backoff when none is left; a read timeout is an error at once. Every
+  failure is bounded: never a hang.
 - A sample aborted by a weight update is re-sent with the tokens it generated appended to the prompt and
   `max_new_tokens` reduced by as many; its output and log-probs are the concatenation.
 """
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -20,7 +21,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from arealcli.runtime.server.protocol import Completion, generate_payload, parse_completion
 
@@ -55,8 +56,7 @@ class _Server:
 
 
 def _describe(e: BaseException) -> str:
-    """The root cause in a few words ("connection refused" rather than httpx's "All connection
-    attempts failed")."""
+    """The root cause in a few words ("connection refused" rather than a wrapper's text)."""
     cause: BaseException | None = e
     for _ in range(8):
         if cause is None:
@@ -67,10 +67,40 @@ def _describe(e: BaseException) -> str:
             return "connection reset by the server"
         if isinstance(cause, socket.gaierror):
             return f"cannot resolve the host ({cause.strerror})"
-        cause = cause.__cause__ or cause.__context__
-    if isinstance(e, httpx.RemoteProtocolError):
-        return f"the server closed the connection ({e})"
+        cause = getattr(cause, "os_error", None) or cause.__cause__ or cause.__context__
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return "the server closed the connection without answering"
     return str(e) or type(e).__name__
+
+
+@dataclass
+class _Answer:
+    status: int
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def error_message(self) -> str:
+        try:
+            body = self.json()
+        except ValueError:
+            return self.body[:500].decode(errors="replace")
+        if isinstance(body, dict):
+            err = body.get("error")
+            if isinstance(err, dict) and "message" in err:
+                return str(err["message"])
+            if "message" in body:
+                return str(body["message"])
+        return str(body)[:500]
+
+
+class _Retryable(Exception):
+    """A connection-level failure (refused, reset, died mid-request, HTTP 5xx): try another server."""
+
+
+# aiohttp's connect timeout is a ServerTimeoutError like a read timeout; only the latter is fatal
+_CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())
 
 
 class GenerationClient:
@@ -92,26 +122,49 @@ class GenerationClient:
         self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
         self.max_concurrent_requests, self.max_abort_resends = max_concurrent_requests, max_abort_resends
         self.why_down = why_down or (lambda address: None)  # e.g. "the process exited (code -9); log: ..."
-        self._http: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
 
     # ------------------------------------------------------------------ plumbing
 
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
-            n = self.max_concurrent_requests + len(self.servers)
-            self._http = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.request_timeout_s, connect=self.connect_timeout_s, pool=None),
-                limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-                trust_env=False,  # loopback and cluster addresses must not go through a proxy
+    def _http(self) -> aiohttp.ClientSession:
+        """The session (created inside the running loop). aiohttp, not httpx: with many requests in
+        flight httpx's connection pool costs ~10 ms a request (encode/httpx#3215)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_concurrent_requests + len(self.servers)),
+                timeout=aiohttp.ClientTimeout(
+                    total=self.request_timeout_s, sock_connect=self.connect_timeout_s
+                ),
             )
             self._sem = asyncio.Semaphore(self.max_concurrent_requests)
-        return self._http
+        return self._session
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _send(
+        self, method: str, url: str, payload: Any = None, timeout: float | None = None
+    ) -> _Answer:
+        """One HTTP exchange; connection-level failures become _Retryable, a read timeout TimeoutError."""
+        session = self._http()
+        kwargs: dict[str, Any] = {} if payload is None else {"json": payload}
+        if timeout is not None:
+            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout_s)
+        try:
+            async with session.request(method, url, **kwargs) as resp:
+                answer = _Answer(resp.status, await resp.read())
+        except _CONNECT_TIMEOUT as e:
+            raise _Retryable(f"no connection within connect_timeout_s={self.connect_timeout_s:g} s") from e
+        except (aiohttp.ServerTimeoutError, asyncio.TimeoutError):
+            raise TimeoutError from None
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            raise _Retryable(_describe(e)) from e
+        if answer.status >= 500:
+            raise _Retryable(f"HTTP {answer.status}: {answer.error_message()}")
+        return answer
 
     def _pick(self, tried: set[str]) -> _Server | None:
         live = [s for s in self.servers if not s.stale]
@@ -120,13 +173,12 @@ class GenerationClient:
         pool = [s for s in up if s.address not in tried] or up or live
         return min(pool, key=lambda s: (s.in_flight, s.requests)) if pool else None
 
-    def _failure(self, s: _Server, e: Exception) -> str:
-        why = self.why_down(s.address)
-        return f"{s.address}: {_describe(e)}" + (f" ({why})" if why else "")
+    def _failure(self, s: _Server, why: str) -> str:
+        down = self.why_down(s.address)
+        return f"{s.address}: {why}" + (f" ({down})" if down else "")
 
     async def post(self, path: str, payload: dict[str, Any]) -> Any:
         """POST to the least-loaded server; on connection failures, to another one (with backoff)."""
-        client = self._client()
         errors: list[str] = []
         tried: set[str] = set()
         for attempt in range(self.max_retries + 1):
@@ -137,25 +189,18 @@ class GenerationClient:
             s.in_flight += 1
             s.requests += 1
             try:
-                resp = await client.post(s.url + path, json=payload)
-            except httpx.ConnectTimeout as e:
-                error: Exception = e
-            except httpx.TimeoutException:
+                answer = await self._send("POST", s.url + path, payload)
+            except TimeoutError:
                 raise GenerationServerError(
                     f"{path} on {s.address} got no answer within request_timeout_s={self.request_timeout_s:g} s; "
                     "the server may be overloaded or stuck (raise request_timeout_s for long generations)"
                 ) from None
-            except httpx.TransportError as e:  # refused, reset, the server died mid-request
-                error = e
+            except _Retryable as e:  # refused, reset, the server died mid-request, HTTP 5xx
+                errors.append(self._failure(s, str(e)))
             else:
-                if resp.status_code < 500:
-                    return _json_or_raise(resp, s.address, path)
-                error = httpx.HTTPStatusError(
-                    f"HTTP {resp.status_code}: {_error_message(resp)}", request=resp.request, response=resp
-                )
+                return _json_or_raise(answer, s.address, path)
             finally:
                 s.in_flight -= 1
-            errors.append(self._failure(s, error))
             s.down_until = time.monotonic() + self.retry_backoff_s * 2**attempt
             if attempt < self.max_retries and not any(
                 x.down_until <= time.monotonic() for x in self.servers if not x.stale
@@ -171,7 +216,7 @@ class GenerationClient:
 
     async def generate(self, prompt: list[int], params: dict[str, Any], n: int) -> list[Sample]:
         """`n` samples of one prompt (one request); aborted samples are re-sent until they finish."""
-        self._client()
+        self._http()
         assert self._sem is not None
         async with self._sem:
             out = await self.post("/generate", generate_payload(prompt, params, n))
@@ -215,16 +260,18 @@ class GenerationClient:
 
     async def check_all(self) -> list[dict[str, Any]]:
         """Every server answers /health and /get_model_info; a clear error names those that do not."""
-        client = self._client()
 
         async def one(s: _Server) -> dict[str, Any]:
             try:
-                (await client.get(s.url + "/health", timeout=self.connect_timeout_s)).raise_for_status()
-                info = await client.get(s.url + "/get_model_info", timeout=self.connect_timeout_s)
-                return info.json()
-            except (httpx.HTTPError, ValueError) as e:
+                for path in ("/health", "/get_model_info"):
+                    answer = await self._send("GET", s.url + path, timeout=self.connect_timeout_s)
+                    if answer.status != 200:
+                        raise _Retryable(f"{path} answered HTTP {answer.status}")
+                return answer.json()
+            except (_Retryable, TimeoutError, ValueError) as e:
+                why = str(e) or f"no answer within connect_timeout_s={self.connect_timeout_s:g} s"
                 raise GenerationServerError(
-                    f"cannot use the generation server at {s.address}: {_describe(e)}. Is it running? "
+                    f"cannot use the generation server at {s.address}: {why}. Is it running? "
                     "(start one with `areal serve --model DIR --port N`, or set `launch:` in the backend args)"
                 ) from None
 
@@ -233,19 +280,22 @@ class GenerationClient:
     async def update_weights(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         """POST /update_weights_from_disk to every server. A server that cannot be reached is dropped for
         good (it would generate with old weights); an error if one refuses or none is left."""
-        client = self._client()
         live = [s for s in self.servers if not s.stale]
 
         async def one(s: _Server) -> Any:
-            resp = await client.post(s.url + "/update_weights_from_disk", json=payload)
-            return _json_or_raise(resp, s.address, "/update_weights_from_disk", allow_400=True)
+            answer = await self._send("POST", s.url + "/update_weights_from_disk", payload)
+            return _json_or_raise(answer, s.address, "/update_weights_from_disk", allow_400=True)
 
         results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)
         failures, answers = [], []
         for s, r in zip(live, results, strict=True):
-            if isinstance(r, httpx.TransportError):
+            if isinstance(r, _Retryable):
                 s.stale = True
-                logger.warning("dropping generation server %s: %s", s.address, self._failure(s, r))
+                logger.warning("dropping generation server %s", self._failure(s, str(r)))
+            elif isinstance(r, TimeoutError):
+                failures.append(
+                    f"{s.address}: no answer within request_timeout_s={self.request_timeout_s:g} s"
+                )
             elif isinstance(r, BaseException):
                 failures.append(f"{s.address}: {r}")
             elif not r.get("success"):
@@ -268,29 +318,17 @@ def _parse(item: Any) -> Completion:
         raise GenerationServerError(f"unexpected /generate response: {e}") from None
 
 
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:500]
-    if isinstance(body, dict):
-        err = body.get("error")
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if "message" in body:
-            return str(body["message"])
-    return str(body)[:500]
-
-
-def _json_or_raise(resp: httpx.Response, address: str, path: str, allow_400: bool = False) -> Any:
-    if resp.status_code >= 400 and not (allow_400 and resp.status_code == 400):
+def _json_or_raise(answer: _Answer, address: str, path: str, allow_400: bool = False) -> Any:
+    if answer.status >= 400 and not (allow_400 and answer.status == 400):
         raise GenerationServerError(
-            f"{address} refused {path} (HTTP {resp.status_code}): {_error_message(resp)}"
+            f"{address} refused {path} (HTTP {answer.status}): {answer.error_message()}"
         )
     try:
-        return resp.json()
+        return answer.json()
     except ValueError:
-        raise GenerationServerError(f"{address} answered {path} with non-JSON: {resp.text[:200]!r}") from None
+        raise GenerationServerError(
+            f"{address} answered {path} with non-JSON: {answer.body[:200]!r}"
+        ) from None
 
 
 @dataclass

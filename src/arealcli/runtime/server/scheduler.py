@@ -109,6 +109,8 @@ class Scheduler:
                     self._cv.wait()
             try:
                 self.runner.load_weights(path)
+                if version is not None:  # before any batch can start with the new weights
+                    self.weight_version = version
             except Exception as e:  # reported to the caller: success false, weights untouched
                 return False, f"Failed to update weights: {e}"
             finally:
@@ -117,7 +119,6 @@ class Scheduler:
                     self._cv.notify_all()
             message = "Succeeded to update model weights."
             if version is not None:
-                self.weight_version = version
                 message += f" Weight version updated to {version}."
             return True, message
 
