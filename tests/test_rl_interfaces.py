@@ -102,14 +102,19 @@ def test_critic_learns_returns(char_tok, actor):
     # treat every response as finished: a truncated one bootstraps from the critic's own final value
     data.data["seq_no_eos_mask"] = torch.zeros(data.bs)
     critic_module = with_value_head(tiny_module(char_tok, seed=4), seed=0)
-    critic = engine_model(char_tok, critic_module, lr=3e-2)
+    critic = engine_model(char_tok, critic_module, lr=1e-2)
     c = PPOCriticInterface(PPOCriticArgs(gae_lambda=1.0, value_eps_clip=10.0))
-    losses = []
-    for _ in range(15):
-        values = c.inference(critic, data, MicroBatchSpec())
-        data.update_(values)
-        losses.append(c.train_step(critic, data, MicroBatchSpec(n_mbs=2))["loss"])
-    assert losses[-1] < 0.3 * losses[0]
+    def value_error():  # mean squared error of the values at action positions vs the returns
+        data.update_(c.inference(critic, data, MicroBatchSpec()))
+        v, m = response_view(data.data["values"], data)
+        target = data.data["rewards"][:, None].expand_as(m)
+        return float(((v - target)[m] ** 2).mean())
+
+    errors = [value_error()]
+    for _ in range(25):
+        c.train_step(critic, data, MicroBatchSpec(n_mbs=2))
+        errors.append(value_error())
+    assert errors[-1] < 0.3 * errors[0], errors
     # with gamma = lambda = 1 and no KL the return of every token is the sequence's score
     r = compute_returns(data, c.args.shaping, 1.0, 0.0)
     torch.testing.assert_close(r.returns[r.mask], data.data["rewards"][:, None].expand_as(r.mask)[r.mask])

@@ -46,7 +46,9 @@ PROMPT = [20, 21, 22]  # char-tokenizer ids
 
 
 def start_servers(model_dir: Path, log_dir: Path, n: int = 1) -> list[launcher.ServerProcess]:
-    args = SGLangBackendArgs(launch="embedded", num_servers=n, device="cpu", extra_args=["--num-threads", "1"])
+    args = SGLangBackendArgs(
+        launch="embedded", num_servers=n, device="cpu", extra_args=["--num-threads", "1"]
+    )
     servers = launcher.launch(args, str(model_dir), log_dir, "srv")
     try:
         launcher.wait_ready(servers, 90)
@@ -148,14 +150,18 @@ def test_generate_single_batch_n_and_logprobs(server, reference, char_tok):
     assert meta["weight_version"] == "default" and meta["id"]
     assert one["text"] == char_tok.decode(ids, skip_special_tokens=True)
     # greedy log-probs are the model's own (raw softmax), token by token
-    assert max_diff([e[0] for e in meta["output_token_logprobs"]], own_logprobs(reference, PROMPT, ids)) < 1e-4
+    assert (
+        max_diff([e[0] for e in meta["output_token_logprobs"]], own_logprobs(reference, PROMPT, ids)) < 1e-4
+    )
 
     batch = post(server, "/generate", {"input_ids": [PROMPT, [30, 31]], "sampling_params": greedy}).json()
     assert isinstance(batch, list) and [b["meta_info"]["prompt_tokens"] for b in batch] == [3, 2]
     assert batch[0]["output_ids"] == ids  # batched with another prompt, greedy gives the same tokens
     assert "output_token_logprobs" not in batch[0]["meta_info"]  # not asked for
 
-    n3 = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "n": 3}}).json()
+    n3 = post(
+        server, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "n": 3}}
+    ).json()
     assert isinstance(n3, list) and len(n3) == 3 and len({x["meta_info"]["id"] for x in n3}) == 3
 
     # a batch with n = 2: prompt-major, per-prompt params and logprob flags
@@ -244,7 +250,9 @@ def test_concurrent_requests_are_batched(server):
             body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8}, "return_logprob": True}
             # open the connections first so the requests arrive within the batching window
             await asyncio.gather(*(c.get(f"http://{server.address}/health") for _ in range(n)))
-            return await asyncio.gather(*(c.post(f"http://{server.address}/generate", json=body) for _ in range(n)))
+            return await asyncio.gather(
+                *(c.post(f"http://{server.address}/generate", json=body) for _ in range(n))
+            )
 
     before = stats()
     answers = asyncio.run(burst(16))
@@ -417,7 +425,9 @@ def test_launch_failure_shows_the_log(tmp_path, char_tok):
     args = SGLangBackendArgs(launch="embedded", device="cpu", startup_timeout_s=60)
     servers = launcher.launch(args, str(bad), tmp_path / "logs", "bad")
     try:
-        with pytest.raises(launcher.LaunchError, match="exited with code 2 while starting(.|\n)*no config.json"):
+        with pytest.raises(
+            launcher.LaunchError, match="exited with code 2 while starting(.|\n)*no config.json"
+        ):
             launcher.wait_ready(servers, 60)
     finally:
         launcher.stop(servers)
@@ -448,10 +458,23 @@ def _pypi_reachable() -> bool:
 def sglang_src(request) -> Path:
     """The request/response definitions of the sglang wheel (and a msgspec wheel to import the HTTP
     contract module), downloaded once into pytest's cache. Skips only when PyPI cannot be reached."""
-    root = Path(request.config.cache.mkdir(f"sglang-src-{SGLANG_VERSION}"))
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    name = f"sglang-src-{SGLANG_VERSION}"
+    root = Path(cache.mkdir(name)) if cache is not None else Path(tempfile.gettempdir()) / f"arealcli-{name}"
+    root.mkdir(parents=True, exist_ok=True)
     if not (root / "COMPLETE").exists():
         with tempfile.TemporaryDirectory() as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", tmp]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                tmp,
+            ]
             out = subprocess.run(
                 [*cmd, f"sglang=={SGLANG_VERSION}", "msgspec"], capture_output=True, text=True, timeout=900
             )
@@ -462,7 +485,11 @@ def sglang_src(request) -> Path:
             for wheel in Path(tmp).glob("*.whl"):
                 with zipfile.ZipFile(wheel) as z:
                     for name in z.namelist():
-                        if wheel.name.startswith("msgspec") or name in SGLANG_FILES or name.startswith(SGLANG_DIRS):
+                        if (
+                            wheel.name.startswith("msgspec")
+                            or name in SGLANG_FILES
+                            or name.startswith(SGLANG_DIRS)
+                        ):
                             z.extract(name, root)
         (root / "COMPLETE").write_text(SGLANG_VERSION)
     return root
@@ -475,7 +502,9 @@ def api(sglang_src):
         import msgspec  # noqa: F401
     except ImportError:
         sys.path.append(str(sglang_src))
-    spec = importlib.util.spec_from_file_location("sglang_api_types", sglang_src / "sglang/api/v1/api_types.py")
+    spec = importlib.util.spec_from_file_location(
+        "sglang_api_types", sglang_src / "sglang/api/v1/api_types.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules["sglang_api_types"] = module
     spec.loader.exec_module(module)
@@ -515,7 +544,11 @@ def test_client_requests_follow_sglang_contract(sglang_src, api):
 def test_server_answers_follow_sglang_contract(server, api):
     requests = [
         {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}, "return_logprob": True},
-        {"input_ids": [PROMPT, [30]], "sampling_params": {"max_new_tokens": 2, "n": 2}, "return_logprob": True},
+        {
+            "input_ids": [PROMPT, [30]],
+            "sampling_params": {"max_new_tokens": 2, "n": 2},
+            "return_logprob": True,
+        },
         {"text": "a:", "sampling_params": {"max_new_tokens": 2, "skip_special_tokens": True}, "rid": "x"},
         {
             "input_ids": PROMPT,

@@ -66,7 +66,9 @@ def test_hf_follower_tracks_the_actor(ws):
         trainer.setup()
         trainer.train()
         actor, gen = trainer.models["actor"], trainer.models["actor_gen"]
-        for (name, p), q in zip(actor.module.module.named_parameters(), gen.module.module.parameters(), strict=True):
+        for (name, p), q in zip(
+            actor.module.module.named_parameters(), gen.module.module.parameters(), strict=True
+        ):
             torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
         assert actor.version.global_step == gen.version.global_step == 3
     finally:

@@ -92,7 +92,14 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
             **rl,
         )
     )
-    train_inputs = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "rewards", "version"]
+    train_inputs = [
+        "packed_input_ids",
+        "prompt_mask",
+        "packed_logprobs",
+        "seq_no_eos_mask",
+        "rewards",
+        "version",
+    ]
     if "ref" in models:
         origin[len(calls)] = "actor"
         calls.append(

@@ -9,6 +9,7 @@ from arealcli.runtime.data import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.interfaces.rl_common import (
     compute_returns,
+    final_state_values,
     response_view,
     shuffled_minibatches,
     to_packed,
@@ -36,6 +37,8 @@ class PPOCriticInterface(ModelInterface):
         for key, padded in (("returns", r.returns), ("old_values", r.values), ("loss_mask", r.mask.float())):
             train.data[key] = to_packed(padded, data)
             train.seqlens[key] = list(train.seqlens["packed_input_ids"])
+        train.data["ended"] = 1.0 - data.data["seq_no_eos_mask"].float()  # (B,) 1 where the response hit EOS
+        train.seqlens["ended"] = [1] * train.bs
         stats: dict[str, float] = {}
         n = 0
         for epoch in range(a.sample_reuse):
@@ -63,4 +66,12 @@ class PPOCriticInterface(ModelInterface):
         old, _ = response_view(mb.data["old_values"].to(values.device), mb)
         ret, _ = response_view(mb.data["returns"].to(values.device), mb)
         mask, _ = response_view(mb.data["loss_mask"].to(values.device), mb)
-        return F.critic_loss(v, old, ret, mask, value_eps_clip=self.args.value_eps_clip)
+        loss, stats = F.critic_loss(v, old, ret, mask, value_eps_clip=self.args.value_eps_clip)
+        # A terminal state (after EOS) has value 0. Training that anchors the final-state values, which
+        # truncated responses bootstrap from and which no action position trains otherwise (without it
+        # they drift with the shared network and the returns chase them).
+        ended = mb.data["ended"].to(values.device)  # (B,)
+        final = final_state_values(values.float(), mb)  # (B,)
+        terminal = (final.pow(2) * ended).sum() / ended.sum().clamp(min=1) / 2
+        stats["terminal_value_loss"] = terminal.detach()
+        return loss + terminal, stats
