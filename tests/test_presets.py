@@ -32,7 +32,15 @@ def test_ppo_preset_adds_critic_and_reference(tmp_path):
     path = tmp_path / "ppo.yaml"
     path.write_text(yaml.safe_dump(recipe))
     calls = {c.name: c for c in _calls(path)}
-    assert list(calls) == ["sft_warmup", "actor_gen", "reward", "ref_inf", "critic_inf", "actor_train", "critic_train"]
+    assert list(calls) == [
+        "sft_warmup",
+        "actor_gen",
+        "reward",
+        "ref_inf",
+        "critic_inf",
+        "actor_train",
+        "critic_train",
+    ]
     assert calls["ref_inf"].output_key_remap == {"packed_logprobs": "packed_ref_logprobs"}
     assert {"values", "packed_ref_logprobs"} <= set(calls["actor_train"].inputs)
 

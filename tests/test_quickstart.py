@@ -20,7 +20,16 @@ def eval_accuracy(run_dir) -> dict[int, float]:
 
 
 def train(recipe: str, run_dir, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "arealcli.main", "train", str(REPO / "recipes" / recipe), "-o", str(run_dir), *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "arealcli.main",
+        "train",
+        str(REPO / "recipes" / recipe),
+        "-o",
+        str(run_dir),
+        *overrides,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

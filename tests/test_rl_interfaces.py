@@ -50,8 +50,9 @@ def test_generate_logprobs_align_with_recomputed_logprobs(char_tok, actor):
     rec, _ = response_view(recomputed, out)
     # the behaviour log-probs sit at the positions that predict each response token
     torch.testing.assert_close(gen[mask], rec[mask], atol=1e-4, rtol=0)
-    assert mask.sum(-1).tolist() == [len(x) - p for x, p in zip(out.unpack("packed_input_ids"),
-                                                                [int(m.sum()) for m in out.unpack("prompt_mask")])]
+    prompt_lens = [int(m.sum()) for m in out.unpack("prompt_mask")]
+    seqs = out.unpack("packed_input_ids")
+    assert mask.sum(-1).tolist() == [len(x) - p for x, p in zip(seqs, prompt_lens, strict=True)]
     no_eos = out.data["seq_no_eos_mask"].bool()
     assert all(mask[i].sum() == 5 for i in range(9) if no_eos[i])
 
@@ -88,7 +89,9 @@ def test_identical_rewards_in_every_group_give_no_update(char_tok):
 def test_grpo_step_raises_logprob_of_rewarded_samples(char_tok):
     model = engine_model(char_tok, tiny_module(char_tok, seed=3), lr=5e-3, optimizer="sgd")
     iface, data = _rollout(char_tok, model, [1, 0, 0, 0, 0, 0, 0, 1])
-    lp_before, mask = response_view(iface.inference(model, data, MicroBatchSpec()).data["packed_logprobs"], data)
+    lp_before, mask = response_view(
+        iface.inference(model, data, MicroBatchSpec()).data["packed_logprobs"], data
+    )
     stats = iface.train_step(model, data, MicroBatchSpec(n_mbs=3))
     lp_after, _ = response_view(iface.inference(model, data, MicroBatchSpec()).data["packed_logprobs"], data)
     delta = ((lp_after - lp_before) * mask).sum(-1)  # (B,) change of each sequence's log-prob
@@ -104,6 +107,7 @@ def test_critic_learns_returns(char_tok, actor):
     critic_module = with_value_head(tiny_module(char_tok, seed=4), seed=0)
     critic = engine_model(char_tok, critic_module, lr=1e-2)
     c = PPOCriticInterface(PPOCriticArgs(gae_lambda=1.0, value_eps_clip=10.0))
+
     def value_error():  # mean squared error of the values at action positions vs the returns
         data.update_(c.inference(critic, data, MicroBatchSpec()))
         v, m = response_view(data.data["values"], data)
@@ -121,9 +125,15 @@ def test_critic_learns_returns(char_tok, actor):
 
 
 def test_reward_interface_scores_with_registered_function(char_tok):
-    seqs = [torch.tensor(char_tok("2+5=7", add_special_tokens=False)["input_ids"] + [char_tok.eos_token_id]),
-            torch.tensor(char_tok("2+5=8", add_special_tokens=False)["input_ids"])]
+    seqs = [
+        torch.tensor(char_tok("2+5=7", add_special_tokens=False)["input_ids"] + [char_tok.eos_token_id]),
+        torch.tensor(char_tok("2+5=8", add_special_tokens=False)["input_ids"]),
+    ]
     pm = [torch.tensor([True] * 4 + [False] * (len(s) - 4)) for s in seqs]
-    data = SequenceSample.from_lists([0, 1], {"packed_input_ids": seqs, "prompt_mask": pm}, {"answers": [["7"], ["7"]]})
-    out = RewardInterface(RewardArgs(reward_fn="exact_match")).inference(Model("r", None, char_tok), data, MicroBatchSpec())
+    data = SequenceSample.from_lists(
+        [0, 1], {"packed_input_ids": seqs, "prompt_mask": pm}, {"answers": [["7"], ["7"]]}
+    )
+    out = RewardInterface(RewardArgs(reward_fn="exact_match")).inference(
+        Model("r", None, char_tok), data, MicroBatchSpec()
+    )
     assert out.data["rewards"].tolist() == [1.0, 0.0]
