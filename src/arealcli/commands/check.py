@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 import yaml
 
-from arealcli.commands.common import console, load_recipe
+from arealcli.commands.common import console, err_console, load_recipe
+from arealcli.schema.paths import missing_paths
 from arealcli.schema.plan import plan_lines
 
 
@@ -17,7 +18,11 @@ def check(
     print_: bool = typer.Option(False, "--print", help="Print the fully resolved recipe."),
 ) -> None:
     """Validate a recipe: every error at once, with file:line:col."""
-    resolved, _ = load_recipe(recipe, overrides or [])
+    resolved, src = load_recipe(recipe, overrides or [])
+    for where, message in missing_paths(resolved, recipe.resolve().parent):
+        err_console.print(
+            f"[yellow]warning:[/] {src.where(where)}: {'.'.join(map(str, where))}: {message}", highlight=False
+        )
     if print_:
         console.print(
             yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False),

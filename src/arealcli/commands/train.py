@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from arealcli.commands.common import console, err_console, fail, load_recipe
+from arealcli.schema.paths import missing_paths
 
 
 def run_dir_for(recipe, output_dir: Path | None) -> Path:
@@ -61,7 +62,12 @@ def train(
     ),
 ) -> None:
     """Train: build the models and run the recipe's dataflow every step."""
-    resolved, _ = load_recipe(recipe, overrides or [])
+    resolved, src = load_recipe(recipe, overrides or [])
+    missing = missing_paths(resolved, recipe.resolve().parent)
+    if missing:
+        raise fail(
+            [f"{src.where(where)}: {'.'.join(map(str, where))}: {message}" for where, message in missing]
+        )
     run_dir = run_dir_for(resolved, output_dir)
     world = nproc_per_node * nnodes
     if node_rank >= nnodes:
