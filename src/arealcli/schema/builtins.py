@@ -12,6 +12,7 @@ from arealcli.schema.components.backends import (
     HFBackendArgs,
     MegatronBackendArgs,
     SGLangBackendArgs,
+    VLLMBackendArgs,
 )
 from arealcli.schema.components.datasets import PromptAnswerArgs
 from arealcli.schema.components.interfaces import PPOActorArgs, PPOCriticArgs, RewardArgs, SFTArgs
@@ -67,6 +68,9 @@ BACKENDS.add(
         SGLangBackendArgs.__doc__,
         "builtin",
     )
+)
+BACKENDS.add(
+    Entry("vllm", f"{_R}.backends.vllm:VLLMBackend", VLLMBackendArgs, VLLMBackendArgs.__doc__, "builtin")
 )
 BACKENDS.add(Entry("megatron", f"{_R}.backends.megatron.backend:MegatronBackend", MegatronBackendArgs, MegatronBackendArgs.__doc__, "builtin"))  # fmt: skip  # noqa: E501
 BACKENDS.add(

@@ -15,13 +15,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import httpx
 
-from arealcli.schema.components.backends import SGLangBackendArgs
+from arealcli.schema.components.backends import SGLangBackendArgs, VLLMBackendArgs
 
 
 class LaunchError(RuntimeError):
@@ -104,15 +105,25 @@ def _die_with_parent() -> None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, _SIGTERM)
 
 
-def launch(args: SGLangBackendArgs, model_path: str, log_dir: Path, name: str) -> list[ServerProcess]:
+def launch(
+    args: SGLangBackendArgs | VLLMBackendArgs,
+    model_path: str,
+    log_dir: Path,
+    name: str,
+    command: Callable[[int, int], list[str]] | None = None,
+    extra_env: Callable[[int], dict[str, str]] | None = None,
+) -> list[ServerProcess]:
+    """Start `args.num_servers` servers; `command(port, index)` and `extra_env(index)` override the
+    sglang/embedded command line and add environment variables (other server kinds, e.g. vllm)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     servers: list[ServerProcess] = []
     for i in range(args.num_servers):
         port = args.base_port + i if args.base_port is not None else free_port(args.host)
         log_path = log_dir / f"{name}-{i}.log"
         log = open(log_path, "ab")  # noqa: SIM115  (closed in stop())
-        cmd = server_command(args, model_path, port, i)
+        assert command is not None or isinstance(args, SGLangBackendArgs)
+        cmd = command(port, i) if command is not None else server_command(args, model_path, port, i)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env(i) if extra_env is not None else {})}
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
         try:

