@@ -7,7 +7,7 @@ torch threads. Ours is what `areal train recipes/quickstart.yaml` runs after its
 actor generate -> reward -> actor train_step.
 
 The two sides alternate step by step (ours runs right after each TRL step, from a TRL callback), so a
-busy machine slows both alike; the table shows medians and the best step of each side.
+short load spike hits both sides; `other load` says whether the machine was quiet enough to trust.
 
     python bench/grpo_vs_trl.py                       # 8 prompts x 8 x 32 tokens, then 16 x 4 x 64
     python bench/grpo_vs_trl.py --prompts 4 --n 4 --max-new-tokens 16 --steps 3 --warmup 1 --no-second
@@ -136,6 +136,25 @@ def trl_trainer(model_dir: Path, rows: list[dict], args, prompts: int, n: int, m
     return trainer, rec
 
 
+def cpu_clock() -> tuple[float, float, float] | None:
+    """(wall s, CPU s used by the whole machine, CPU s used by this process); None off Linux."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split()[1:9]]
+    except OSError:
+        return None
+    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait, in clock ticks
+    own = os.times()
+    return time.perf_counter(), busy / os.sysconf("SC_CLK_TCK"), own.user + own.system
+
+
+def others_busy(a, b) -> float | None:
+    """Fraction of the CPUs that other processes kept busy between two `cpu_clock()` readings."""
+    if a is None or b is None:
+        return None
+    wall, all_cpu, own_cpu = (y - x for x, y in zip(a, b, strict=True))
+    return max(0.0, (all_cpu - own_cpu) / (wall * (os.cpu_count() or 1)))
+
+
 def run_config(args, prompts: int, n: int, max_new: int) -> dict:
     total, w = args.warmup + args.steps, args.warmup
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +169,9 @@ def run_config(args, prompts: int, n: int, max_new: int) -> dict:
                 {"prompt": q, "answers": a} for q, a in zip(meta["prompt"], meta["answers"], strict=True)
             ]
         trl, rec = trl_trainer(tmp / "model", rows, args, prompts, n, max_new, after_step=ours.step)
+        clock = cpu_clock()
         trl.train()  # TRL step i, then our step i, ...
+        others = others_busy(clock, cpu_clock())
         ours.trainer.close()
         for step, got in enumerate(rec["prompts"]):  # the same prompts, each n times, on both sides
             assert sorted(got) == sorted(ours.batch(step).meta["prompt"] * n), f"prompts differ at {step}"
@@ -166,6 +187,7 @@ def run_config(args, prompts: int, n: int, max_new: int) -> dict:
         "trl_tokens": sorted(set(rec["tokens"][w:])),
         "ours_calls": {c: med(s[c] for s in ours.calls[w:]) for c in CALLS},
         "trl_gen": med(rec["gen"][w:]),
+        "others": "?" if others is None else f"{others:.0%}",
     }
 
 
@@ -184,16 +206,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    load_before = os.getloadavg()[0]
     configs = [(args.prompts, args.n, args.max_new_tokens)] + ([] if args.no_second else [(16, 4, 64)])
     results = [run_config(args, *c) for c in configs]
     assert torch.get_num_threads() == args.threads, "a library changed the torch thread count"
 
     print(
-        f"\ntorch threads {args.threads}, {os.cpu_count()} CPUs, load average before {load_before:.2f};"
+        f"\ntorch threads {args.threads}, {os.cpu_count()} CPUs;"
         f" {args.steps} timed steps per side after {args.warmup} warm-up, sides alternating"
     )
-    cols = "config|ours s/step|TRL s/step|TRL/ours|best ours|best TRL|tokens ours|tokens TRL".split("|")
+    cols = ["config", "ours s/step", "TRL s/step", "TRL/ours", "best ours", "best TRL"]
+    cols += ["tokens ours", "tokens TRL", "other load"]
     head = f"{cols[0]:<14}" + "".join(f"{c:>12}" for c in cols[1:])
     print(head + "\n" + "-" * len(head))
     for r in results:
@@ -202,10 +224,9 @@ def main() -> None:
         print(
             f"{r['config']:<14}"
             + "".join(f"{x:>12.3f}" for x in nums)
-            + f"{tok(r['ours_tokens']):>12}{tok(r['trl_tokens']):>12}"
+            + f"{tok(r['ours_tokens']):>12}{tok(r['trl_tokens']):>12}{r['others']:>12}"
         )
-    if load_before > 0.5 * (os.cpu_count() or 1):
-        print("the machine was busy: absolute times are inflated; trust the ratio and the best columns")
+    print("other load: CPU share used by other processes meanwhile; above ~10% the run is not a result")
     print("\nwhere the time goes (median s/step)")
     for r in results:
         c = r["ours_calls"]
