@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from arealcli.runtime import lean_decoder
 from arealcli.schema.components.engine import GenerationHyperparameters
 
 
@@ -75,10 +76,18 @@ def generate(
         attn[i, P - len(p) :] = 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     stop = torch.tensor(sorted(eos_ids | set(g.stop_token_ids)), device=device)
-    # transformers >= 5.2x names the cache argument `cache` (older: `past_key_values`)
-    cache_arg = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
-    out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-    past, logits = _cache_of(out), out.logits[:, -1]
+    lean = None
+    if lean_decoder.supports(module):
+        dtype = next(module.parameters()).dtype
+        if torch.is_autocast_enabled(torch.device(device).type):
+            dtype = torch.get_autocast_dtype(torch.device(device).type)
+        lean = lean_decoder.LeanDecoder(module, B, P + g.max_new_tokens, device, dtype)
+        logits = lean.step(ids, pos, attn.bool())
+    else:
+        # transformers >= 5.2x names the cache argument `cache` (older: `past_key_values`)
+        cache_arg = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+        out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        past, logits = _cache_of(out), out.logits[:, -1]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logps = [], []
     for t in range(g.max_new_tokens):
@@ -94,8 +103,11 @@ def generate(
             break
         if should_abort is not None and should_abort():
             break
-        attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
         pos = pos[:, -1:] + 1
+        if lean is not None:
+            logits = lean.step(token[:, None], pos, torch.ones(B, 1, dtype=torch.bool, device=device))
+            continue
+        attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
         out = module(
             input_ids=token[:, None],
             attention_mask=attn,

@@ -29,9 +29,11 @@ def run_packed(module, mb: SequenceSample, device) -> torch.Tensor:
 
     Returns logits (tokens, vocab) for language models, values (tokens,) for value-head models.
     """
-    ids, mask = mb.padded("packed_input_ids", pad_value=0)  # (B, T)
+    ids, mask = mb.padded("packed_input_ids", pad_value=0)  # (B, T), right-padded
     ids, mask = ids.to(device), mask.to(device)
-    out = module(input_ids=ids, attention_mask=mask.long())
+    # No attention mask: with right padding the causal mask alone keeps every real token from seeing the
+    # pads after it (the pads' own outputs are dropped below), and SDPA keeps its fast causal kernel.
+    out = module(input_ids=ids)
     out = out.logits if hasattr(out, "logits") else out
     return out[mask]  # row-major: sample 0's tokens, then sample 1's, ... = the packed order
 
