@@ -46,7 +46,8 @@ class Ours:
             f"dataflow.actor.generation.min_new_tokens={max_new}",  # equal lengths: no early EOS
             f"dataflow.reward.reward_fn={reward}",
             f"dataset.batch_size={prompts}",
-            # prompt (<= 6 chars) + completion must fit; RoPE has no weights: no parameter changes
+            "dataflow.actor.n_minibatches=1",  # one optimizer step per step, like TRL's num_iterations=1
+            # prompt (14 chars) + completion must fit; RoPE has no weights: no parameter changes
             f"models.actor.config.max_position_embeddings={max(64, max_new + 16)}",
         ]
         recipe = validate(apply_overrides(load_recipe_source(RECIPE), overrides))
