@@ -146,7 +146,10 @@ def test_overrides_change_the_resolved_recipe(ws, cli):
     assert resolved["models"]["default"]["backend"]["args"]["optimizer"]["lr"] == 0.5
     assert resolved["dataset"]["args"]["path"].endswith("a-long-directory-name/train.jsonl")
     # Defaults are resolved too.
-    assert resolved["dataflow"]["calls"][0]["interface"]["args"] == {"token_normalize_scope": "global", "lr_scale": 1.0}
+    assert resolved["dataflow"]["calls"][0]["interface"]["args"] == {
+        "token_normalize_scope": "global",
+        "lr_scale": 1.0,
+    }
     assert resolved["models"]["default"]["backend"]["args"]["dtype"] == "float32"
 
 
