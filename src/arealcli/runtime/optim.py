@@ -40,3 +40,15 @@ def lr_at(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def begin_step(
+    optimizer, cfg: OptimizerConfig | None, total_steps: int, version_steps: int, lr_scale: float
+) -> float:
+    """Set the learning rate of the training step `version_steps` (x lr_scale); a model without an
+    optimizer cannot be trained."""
+    if optimizer is None or cfg is None:
+        raise RuntimeError("this model has no optimizer: set `optimizer:` in its backend args to train it")
+    lr = lr_at(version_steps, total_steps, cfg) * lr_scale
+    set_lr(optimizer, lr)
+    return lr

@@ -19,7 +19,7 @@ from arealcli.runtime.backends.base import LossFn, LossWeightFn, ModelBackend
 from arealcli.runtime.backends.train_batch import accumulate_gradients, average_gradients, clip_and_step
 from arealcli.runtime.data import SequenceSample
 from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
-from arealcli.runtime.optim import build_optimizer, lr_at, set_lr
+from arealcli.runtime.optim import begin_step, build_optimizer
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
 
@@ -72,13 +72,8 @@ class HFEngine:
         token_normalize_scope: str = "global",
         lr_scale: float = 1.0,
     ) -> dict[str, float]:
-        if self.optimizer is None:
-            raise RuntimeError(
-                "this model has no optimizer: set `optimizer:` in its backend args to train it"
-            )
+        lr = begin_step(self.optimizer, self.optimizer_cfg, self.total_train_steps, version_steps, lr_scale)
         self.module.train()
-        lr = lr_at(version_steps, self.total_train_steps, self.optimizer_cfg) * lr_scale
-        set_lr(self.optimizer, lr)
         stats = accumulate_gradients(
             self._run,
             input_,

@@ -32,7 +32,7 @@ from arealcli.runtime import generation
 from arealcli.runtime.backends.base import LossFn, LossWeightFn
 from arealcli.runtime.backends.megatron.schedule import Stage, run_schedule
 from arealcli.runtime.data import SequenceSample
-from arealcli.runtime.optim import lr_at
+from arealcli.runtime.optim import begin_step
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
 
 
@@ -187,17 +187,11 @@ class MegatronEngine:
         """
         from megatron.core.distributed import finalize_model_grads
 
-        if self.optimizer is None:
-            raise RuntimeError(
-                "this model has no optimizer: set `optimizer:` in its backend args to train it"
-            )
         if token_normalize_scope not in ("global", "dp"):
             raise ValueError(f"token_normalize_scope must be 'global' or 'dp', got {token_normalize_scope!r}")
         self._check_same_batch(input_, "packed_input_ids")
         self.model.train()
-        lr = lr_at(version_steps, self.total_train_steps, self.optimizer_cfg) * lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = begin_step(self.optimizer, self.optimizer_cfg, self.total_train_steps, version_steps, lr_scale)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
