@@ -224,8 +224,9 @@ class PPOActorInterface(ModelInterface):
             loss = loss + self.kl_ctl.value * kl
             stats["kl_loss"] = kl.detach()
         act = answer_token_mask(mb).to(logits.device)
-        ent = F.entropy_from_logits(logits[act].float() / self.temperature)  # (action tokens,)
-        ent = ent.mean() if ent.numel() else logits.new_zeros(())
+        with torch.set_grad_enabled(a.entropy_coef > 0):  # only a statistic unless it is in the loss
+            ent = F.entropy_from_logits(logits[act].float() / self.temperature)  # (action tokens,)
+            ent = ent.mean() if ent.numel() else logits.new_zeros(())
         stats["entropy"] = ent.detach()
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * ent
