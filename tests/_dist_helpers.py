@@ -36,18 +36,22 @@ def gloo_world_of_one() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def launch_workers(nprocs: int, args: list[str], timeout_s: float = 120) -> None:
-    """Run this file as ``nprocs`` ranks of one gloo world; raise with their output if any fails."""
+def launch_workers(
+    nprocs: int, args: list[str], timeout_s: float = 120, script: str = __file__, env: dict | None = None
+) -> None:
+    """Run `script` (default: this file) as ``nprocs`` ranks of one gloo world; raise with their output
+    if any fails."""
     env_base = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(nprocs),
+        "PYTHONWARNINGS": "ignore",
+        **(env or {}),
     }
-    env_base["PYTHONWARNINGS"] = "ignore"
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, *args],
+            [sys.executable, script, *args],
             env={**env_base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -65,7 +69,7 @@ def launch_workers(nprocs: int, args: list[str], timeout_s: float = 120) -> None
                 p.kill()
     failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
     if failed:
-        logs = "\n".join(f"--- rank {r} ---\n{out[-4000:]}" for r, out in enumerate(outputs))
+        logs = "\n".join(f"--- rank {r} ---\n{out[-6000:]}" for r, out in enumerate(outputs))
         raise RuntimeError(f"distributed workers failed (rank, exit code): {failed}\n{logs}")
 
 

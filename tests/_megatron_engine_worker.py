@@ -11,9 +11,6 @@ writes ``workdir/<layout>/result.pt``; the test compares everything with the hf 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 SFT_MB_SPEC = {"n_mbs": 2}
@@ -29,38 +26,10 @@ OPTIMIZER = {
 
 def launch(nprocs: int, args: list[str], timeout_s: float = 240) -> None:
     """Run this file as ``nprocs`` ranks of one gloo world; raise with their output if any fails."""
-    from _dist_helpers import free_port
+    from _dist_helpers import launch_workers
 
-    env = {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "WORLD_SIZE": str(nprocs),
-        "PYTHONWARNINGS": "ignore",
-        "OMP_NUM_THREADS": "1",  # more ranks than cores: threads would only fight
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, *args],
-            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(nprocs)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout_s)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        logs = "\n".join(f"--- rank {r} ---\n{out[-6000:]}" for r, out in enumerate(outputs))
-        raise RuntimeError(f"megatron workers failed (rank, exit code): {failed}\n{logs}")
+    # more ranks than cores: threads would only fight
+    launch_workers(nprocs, args, timeout_s, script=__file__, env={"OMP_NUM_THREADS": "1"})
 
 
 def dp_slice(batch, dp_rank: int, dp_world: int):

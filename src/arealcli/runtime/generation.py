@@ -116,13 +116,17 @@ def generate(
             use_cache=True,
         )
         past, logits = _cache_of(out), out.logits[:, -1]
-    gen = torch.stack(tokens, 1).cpu()  # (B, T)
-    lp = torch.stack(logps, 1).float().cpu()
-    stop_cpu = set(stop.tolist())
+    return trim_at_stop(torch.stack(tokens, 1), torch.stack(logps, 1), set(stop.tolist()))
+
+
+def trim_at_stop(tokens: torch.Tensor, logps: torch.Tensor, stop_ids: set[int]) -> GenerationResult:
+    """(B, T) sampled tokens and log-probs -> per sample, everything up to and including its first stop
+    token (all of it, flagged no_eos, when there is none)."""
+    gen, lp = tokens.cpu(), logps.float().cpu()
     result = GenerationResult([], [], [])
-    for i in range(B):
+    for i in range(gen.shape[0]):
         row = gen[i].tolist()
-        end = next((j for j, tok in enumerate(row) if tok in stop_cpu), None)
+        end = next((j for j, tok in enumerate(row) if tok in stop_ids), None)
         n = len(row) if end is None else end + 1
         result.output_ids.append(row[:n])
         result.logprobs.append(lp[i, :n].tolist())

@@ -114,11 +114,7 @@ class SGLangBackend(ModelBackend):
             by_address = {s.address: s for s in self.servers}
             self.client = GenerationClient(
                 addresses,
-                request_timeout_s=a.request_timeout_s,
-                connect_timeout_s=a.connect_timeout_s,
-                max_retries=a.max_retries,
-                retry_backoff_s=a.retry_backoff_s,
-                max_concurrent_requests=a.max_concurrent_requests,
+                **a.client_options(),
                 max_abort_resends=a.max_abort_resends,
                 why_down=lambda address: by_address[address].why_down() if address in by_address else None,
             )

@@ -86,11 +86,7 @@ class VLLMBackend(SGLangBackend):
             by_address = {s.address: s for s in self.servers}
             self.client = VLLMClient(
                 addresses,
-                request_timeout_s=a.request_timeout_s,
-                connect_timeout_s=a.connect_timeout_s,
-                max_retries=a.max_retries,
-                retry_backoff_s=a.retry_backoff_s,
-                max_concurrent_requests=a.max_concurrent_requests,
+                **a.client_options(),
                 why_down=lambda address: by_address[address].why_down() if address in by_address else None,
             )
             self.loop = EventLoopThread()

@@ -97,17 +97,12 @@ def _check_address(address: str) -> str:
     return a
 
 
-class SGLangBackendArgs(StrictModel):
-    """Generation on SGLang servers over their native HTTP protocol: connect to `addresses` or `launch` them."""
+class ServerFleetArgs(StrictModel):
+    """What every server-backed generation backend shares: where the servers are, how to reach them."""
 
     addresses: list[str] = Field(
         default_factory=list,
         description="Running servers as host:port (connect mode; exclusive with launch).",
-    )
-    launch: Literal["sglang", "embedded"] | None = Field(
-        None,
-        description="Start servers here: sglang = `python -m sglang.launch_server` (GPU); "
-        "embedded = `areal serve` (our own, CPU or GPU).",
     )
     num_servers: PositiveInt = Field(1, description="Servers to launch (each on its own port and GPUs).")
     host: str = Field("127.0.0.1", description="Interface launched servers listen on.")
@@ -116,6 +111,41 @@ class SGLangBackendArgs(StrictModel):
         ge=1,
         lt=65536,
         description="Port of the first launched server (then +1, ...); null = free ports.",
+    )
+    extra_args: list[str] = Field(default_factory=list, description="Appended to each launch command.")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Longest wait for one generation request or weight-update answer."
+    )
+    connect_timeout_s: float = Field(10.0, gt=0, description="Longest wait to connect to a server.")
+    max_retries: int = Field(
+        3, ge=0, description="Re-sends of a request after connection failures (to another server if any)."
+    )
+    retry_backoff_s: float = Field(0.5, ge=0, description="First backoff between retries; doubles each time.")
+    max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight at once, all servers.")
+
+    @field_validator("addresses")
+    @classmethod
+    def _addresses(cls, addresses: list[str]) -> list[str]:
+        return [_check_address(a) for a in addresses]
+
+    def client_options(self) -> dict[str, float | int]:
+        """Keyword arguments of the generation client built from these settings."""
+        return {
+            "request_timeout_s": self.request_timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
+            "max_retries": self.max_retries,
+            "retry_backoff_s": self.retry_backoff_s,
+            "max_concurrent_requests": self.max_concurrent_requests,
+        }
+
+
+class SGLangBackendArgs(ServerFleetArgs):
+    """Generation on SGLang servers over their native HTTP protocol: connect to `addresses` or `launch` them."""
+
+    launch: Literal["sglang", "embedded"] | None = Field(
+        None,
+        description="Start servers here: sglang = `python -m sglang.launch_server` (GPU); "
+        "embedded = `areal serve` (our own, CPU or GPU).",
     )
     tp_size: PositiveInt = Field(1, description="Tensor-parallel GPUs per launched SGLang server.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -131,28 +161,13 @@ class SGLangBackendArgs(StrictModel):
     python: str | None = Field(
         None, description="Python interpreter that has sglang installed (launch: sglang); default: this one."
     )
-    extra_args: list[str] = Field(default_factory=list, description="Appended to each launch command.")
     startup_timeout_s: float = Field(600.0, gt=0, description="Wait this long for launched servers' /health.")
-    request_timeout_s: float = Field(
-        600.0, gt=0, description="Longest wait for one /generate or weight-update answer."
-    )
-    connect_timeout_s: float = Field(10.0, gt=0, description="Longest wait to connect to a server.")
-    max_retries: int = Field(
-        3, ge=0, description="Re-sends of a request after connection failures (to another server if any)."
-    )
-    retry_backoff_s: float = Field(0.5, ge=0, description="First backoff between retries; doubles each time.")
-    max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight at once, all servers.")
     max_abort_resends: int = Field(
         8, ge=0, description="Re-sends of a sample aborted by weight updates before it is an error."
     )
     abort_on_update: bool = Field(
         True, description="Abort in-flight requests on a weight update (they are re-sent) instead of waiting."
     )
-
-    @field_validator("addresses")
-    @classmethod
-    def _addresses(cls, addresses: list[str]) -> list[str]:
-        return [_check_address(a) for a in addresses]
 
     @model_validator(mode="after")
     def _one_mode(self) -> SGLangBackendArgs:
@@ -164,17 +179,13 @@ class SGLangBackendArgs(StrictModel):
         return self
 
 
-class VLLMBackendArgs(StrictModel):
+class VLLMBackendArgs(ServerFleetArgs):
     """Generation on vLLM servers over their OpenAI-compatible HTTP API: connect to `addresses` or `launch`.
 
     Weight updates (`weights_from`) use vLLM's development endpoints: start connected servers with
     `VLLM_SERVER_DEV_MODE=1` and `--logprobs-mode processed_logprobs` (launched servers get both).
     """
 
-    addresses: list[str] = Field(
-        default_factory=list,
-        description="Running servers as host:port (connect mode; exclusive with launch).",
-    )
     launch: bool = Field(
         False, description="Start servers here with `python -m vllm.entrypoints.openai.api_server`."
     )
@@ -182,14 +193,6 @@ class VLLMBackendArgs(StrictModel):
         None,
         description="Python interpreter that has vllm installed (launch); default: env AREALCLI_VLLM_PYTHON, "
         "else `python`.",
-    )
-    num_servers: PositiveInt = Field(1, description="Servers to launch (each on its own port and GPUs).")
-    host: str = Field("127.0.0.1", description="Interface launched servers listen on.")
-    base_port: int | None = Field(
-        None,
-        ge=1,
-        lt=65536,
-        description="Port of the first launched server (then +1, ...); null = free ports.",
     )
     tensor_parallel_size: PositiveInt = Field(1, description="GPUs per launched server (vLLM -tp).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -212,24 +215,9 @@ class VLLMBackendArgs(StrictModel):
     enforce_eager: bool = Field(
         False, description="No CUDA graphs / torch.compile: faster start, slower decode (set true on CPU)."
     )
-    extra_args: list[str] = Field(default_factory=list, description="Appended to each launch command.")
     startup_timeout_s: float = Field(
         600.0, gt=0, description="Wait this long for launched servers' /health and first generation."
     )
-    request_timeout_s: float = Field(
-        600.0, gt=0, description="Longest wait for one completion or weight-update answer."
-    )
-    connect_timeout_s: float = Field(10.0, gt=0, description="Longest wait to connect to a server.")
-    max_retries: int = Field(
-        3, ge=0, description="Re-sends of a request after connection failures (to another server if any)."
-    )
-    retry_backoff_s: float = Field(0.5, ge=0, description="First backoff between retries; doubles each time.")
-    max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight at once, all servers.")
-
-    @field_validator("addresses")
-    @classmethod
-    def _addresses(cls, addresses: list[str]) -> list[str]:
-        return [_check_address(a) for a in addresses]
 
     @model_validator(mode="after")
     def _one_mode(self) -> VLLMBackendArgs:

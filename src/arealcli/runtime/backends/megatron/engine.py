@@ -361,18 +361,7 @@ class MegatronEngine:
                 break
             for s, tok in zip(seqs, token.tolist(), strict=True):
                 s.append(tok)
-        gen = torch.stack(tokens, 1).cpu()  # (B, T)
-        lp = torch.stack(logps, 1).cpu()
-        stop_cpu = set(stop.tolist())
-        result = generation.GenerationResult([], [], [])
-        for i in range(B):
-            row = gen[i].tolist()
-            end = next((j for j, tok in enumerate(row) if tok in stop_cpu), None)
-            n = len(row) if end is None else end + 1
-            result.output_ids.append(row[:n])
-            result.logprobs.append(lp[i, :n].tolist())
-            result.no_eos.append(end is None)
-        return result
+        return generation.trim_at_stop(torch.stack(tokens, 1), torch.stack(logps, 1), set(stop.tolist()))
 
     # ------------------------------------------------------------------ checkpoints
 
