@@ -304,7 +304,7 @@ def test_unknown_plugin_import_is_a_located_error(ws, cli):
     recipe = ws.recipe(imports=["no_such_plugin_module_xyz"])
     result = cli("check", recipe)
     assert result.exit_code == 2
-    assert "imports: cannot import 'no_such_plugin_module_xyz'" in result.stderr
+    assert "imports.0: cannot import 'no_such_plugin_module_xyz'" in result.stderr
 
 
 def test_list_json_describes_builtins(cli):

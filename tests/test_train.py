@@ -118,16 +118,16 @@ def test_resume_without_checkpoints_and_conflicting_flags(ws, cli):
 def test_refuses_to_overwrite_a_run_directory(ws, cli):
     recipe = ws.recipe(trainer={"max_steps": 2})
     run = ws.root / "run"
-    run.mkdir()
-    (run / "precious.txt").write_text("results")
+    train_ok(cli, recipe, "-o", run)
+    (run / "notes.txt").write_text("mine")
     result = cli("train", recipe, "-o", run)
     assert result.exit_code == 2
     assert (
         "already exists" in result.stderr and "--overwrite" in result.stderr and "--resume" in result.stderr
     )
-    assert (run / "precious.txt").exists()
-    train_ok(cli, recipe, "-o", run, "--overwrite")
-    assert not (run / "precious.txt").exists()
+    assert (run / "notes.txt").exists()
+    train_ok(cli, recipe, "-o", run, "--overwrite")  # a directory `areal train` made: replaced
+    assert not (run / "notes.txt").exists()
     assert [r["step"] for r in metrics(run)] == [1, 2]
 
 
@@ -145,13 +145,13 @@ def test_resolved_recipe_and_metrics_rows(ws, cli, monkeypatch):
     recipe = ws.recipe(trainer={"max_steps": 5, "log_every_n_steps": 2})
     run = ws.root / "run"
     seen = []
-    setup = Trainer.setup
+    train = Trainer.train
 
     def spy(self):
         seen.append((self.run_dir / "recipe.yaml").exists())  # written before step 0
-        setup(self)
+        return train(self)
 
-    monkeypatch.setattr(Trainer, "setup", spy)
+    monkeypatch.setattr(Trainer, "train", spy)
     train_ok(cli, recipe, "-o", run, "seed=11")
     assert seen == [True]
 

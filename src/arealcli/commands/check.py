@@ -6,10 +6,10 @@ from pathlib import Path
 
 import typer
 import yaml
+from rich.text import Text
 
-from arealcli.commands.common import console, err_console, load_recipe
-from arealcli.schema.paths import missing_paths
-from arealcli.schema.plan import plan_lines
+from arealcli.commands.common import console, fail, load_recipe, say_error
+from arealcli.schema.paths import path_problems
 
 
 def check(
@@ -19,34 +19,46 @@ def check(
 ) -> None:
     """Validate a recipe: every error at once, with file:line:col."""
     resolved, src = load_recipe(recipe, overrides or [])
-    for where, message in missing_paths(resolved, recipe.resolve().parent):
-        err_console.print(
-            f"[yellow]warning:[/] {src.where(where)}: {'.'.join(map(str, where))}: {message}", highlight=False
-        )
+    problems = path_problems(resolved, recipe.resolve().parent)
+    for p in (p for p in problems if p.missing):  # may exist where the recipe will run
+        say_error(f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}", title="warning")
+    errors = [
+        f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems if not p.missing
+    ]
+    if errors:
+        raise fail(errors)
     if print_:
         console.print(
             yaml.safe_dump(resolved.model_dump(mode="json"), sort_keys=False),
             end="",
             markup=False,
-            highlight=False,
             soft_wrap=True,  # never fold long values: the output must stay valid YAML
         )
         return
-    console.print(
-        f"[green]ok[/] {recipe}: {len(resolved.models)} model(s), {len(resolved.dataflow.calls)} call(s)"
+    out = Text.assemble(
+        ("ok", "green"), f" {recipe}: {len(resolved.models)} model(s), {len(resolved.dataflow.calls)} call(s)"
     )
-    console.print("[bold]dataflow[/]", highlight=False)
+    console.print(out)
+    console.print(Text("dataflow", style="bold"))
     for c in resolved.dataflow.calls:
         when = (
-            f" [dim]steps {c.start_step}..{c.end_step - 1 if c.end_step else 'end'}[/]"
+            f" steps {c.start_step}..{c.end_step - 1 if c.end_step else 'end'}"
             if c.start_step or c.end_step
             else ""
         )
         console.print(
-            f"  {c.name}: {c.interface.type_}.{c.type} on {c.model or '(no model)'}{when}\n"
-            f"      {', '.join(c.inputs) or '-'} -> {', '.join(c.outputs) or '(trains)'}",
-            highlight=False,
+            Text.assemble(
+                f"  {c.name}: {c.interface.type_}.{c.type} on {c.model or '(no model)'}",
+                (when, "dim"),
+                f"\n      {', '.join(c.inputs) or '-'} -> {', '.join(c.outputs) or '(trains)'}",
+            )
         )
-    console.print("[bold]batch plan[/]", highlight=False)
-    for line in plan_lines(resolved):
-        console.print(f"  {line}", highlight=False, markup=False)
+    console.print(Text("batch plan", style="bold"))
+    for line in _plan(resolved):
+        console.print(Text(f"  {line}"))
+
+
+def _plan(resolved) -> list[str]:
+    from arealcli.schema.plan import plan_lines
+
+    return plan_lines(resolved)

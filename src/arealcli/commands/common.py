@@ -6,19 +6,26 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from arealcli.schema.recipe import Recipe
 from arealcli.schema.registry import RegistryError
 from arealcli.schema.source import Located, RecipeSourceError, apply_overrides, load_recipe_source
 from arealcli.schema.validate import RecipeInvalid, validate
 
-console = Console()
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+# User text (recipe values, file names) is printed literally: no markup, no emoji codes (`:100:`).
+console = Console(emoji=False, highlight=False)
+err_console = Console(stderr=True, emoji=False, highlight=False, soft_wrap=True)
+
+
+def say_error(line: str, title: str = "error") -> None:
+    """One message on stderr, `title:` styled, the message itself literal."""
+    err_console.print(Text.assemble((f"{title}: ", "bold red"), line) if title else Text(line))
 
 
 def fail(lines: list[str], title: str = "error") -> typer.Exit:
     for line in lines:
-        err_console.print(f"[bold red]{title}:[/] {line}" if title else line, markup=True)
+        say_error(line, title)
     return typer.Exit(2)
 
 
@@ -30,11 +37,8 @@ def load_recipe(file: Path, overrides: list[str]) -> tuple[Recipe, Located]:
     except RecipeSourceError as e:
         raise fail(e.messages) from None
     except RecipeInvalid as e:
-        err_console.print(f"[bold red]{len(e.problems)} problem(s) in {file}:[/]")
-        raise fail([_escape(line) for line in e.lines()], title="") from None
+        lines = e.lines()
+        err_console.print(Text(f"{len(lines)} problem(s) in {file}:", style="bold red"))
+        raise fail(lines, title="") from None
     except RegistryError as e:
         raise fail([str(e)]) from None
-
-
-def _escape(text: str) -> str:
-    return text.replace("[", r"\[")

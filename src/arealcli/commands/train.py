@@ -7,8 +7,13 @@ from pathlib import Path
 
 import typer
 
-from arealcli.commands.common import console, err_console, fail, load_recipe
-from arealcli.schema.paths import missing_paths
+from arealcli.commands.common import console, err_console, fail, load_recipe, say_error
+from arealcli.errors import UserError
+from arealcli.schema.paths import path_problems
+
+# Written into every run directory this tool creates. `--overwrite` removes only directories that have
+# it, so a mistyped `-o` or `experiment` can never delete anything else.
+RUN_MARKER = ".arealcli-run"
 
 
 def run_dir_for(recipe, output_dir: Path | None) -> Path:
@@ -17,20 +22,60 @@ def run_dir_for(recipe, output_dir: Path | None) -> Path:
     return Path(recipe.output_dir) if recipe.output_dir else Path("runs") / recipe.experiment
 
 
+def has_results(run_dir: Path) -> bool:
+    """Did a run in `run_dir` get anywhere (metrics logged or a checkpoint written)?"""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return True
+    return any((run_dir / "checkpoints").glob("step_*"))
+
+
+def _protected(run_dir: Path) -> bool:
+    """The current directory, any folder above it, and the home folder are never removed."""
+    target = run_dir.resolve()
+    here = Path.cwd().resolve()
+    return target == here or target in here.parents or target == Path.home().resolve()
+
+
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """Make `run_dir` ready (created, marked as ours), or exit 2 saying why not. Never removes a
+    directory this tool did not create."""
     if resume and overwrite:
         raise fail(["--resume and --overwrite exclude each other"])
-    if run_dir.exists() and any(run_dir.iterdir()) and not resume:
-        if not overwrite:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise fail([f"run directory {run_dir} is a file; give a directory with --output-dir"])
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not resume:
+        if not (run_dir / RUN_MARKER).is_file():
+            raise fail(
+                [
+                    f"{run_dir} already exists and was not created by `areal train` (it has no "
+                    f"{RUN_MARKER} marker), so nothing in it is touched; pick another directory (--output-dir, "
+                    "or another `experiment`) or empty it yourself"
+                ]
+            )
+        if overwrite and _protected(run_dir):
+            raise fail(
+                [f"--overwrite will not remove {run_dir}: it is the current, a parent or the home folder"]
+            )
+        if overwrite:
+            shutil.rmtree(run_dir)
+        elif not has_results(run_dir):  # a run that failed during setup: nothing to lose
+            console.print(f"replacing {run_dir}: its run stopped before logging a step", highlight=False)
+            shutil.rmtree(run_dir)
+        else:
             raise fail(
                 [
                     f"run directory {run_dir} already exists. Use --resume to continue it, --overwrite to "
                     "delete it, or --output-dir to pick another"
                 ]
             )
-        shutil.rmtree(run_dir)
     if resume and not (run_dir / "checkpoints").exists():
         raise fail([f"--resume: {run_dir} has no checkpoints to resume from"])
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / RUN_MARKER).write_text("a run directory of areal train; --overwrite may remove it\n")
+    except OSError as e:
+        raise fail([f"cannot use {run_dir} as the run directory: {e.strerror or e}"]) from None
 
 
 def data_parallel_size(recipe, world: int) -> int:
@@ -63,11 +108,9 @@ def train(
 ) -> None:
     """Train: build the models and run the recipe's dataflow every step."""
     resolved, src = load_recipe(recipe, overrides or [])
-    missing = missing_paths(resolved, recipe.resolve().parent)
-    if missing:
-        raise fail(
-            [f"{src.where(where)}: {'.'.join(map(str, where))}: {message}" for where, message in missing]
-        )
+    problems = path_problems(resolved, recipe.resolve().parent)
+    if problems:
+        raise fail([f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems])
     run_dir = run_dir_for(resolved, output_dir)
     world = nproc_per_node * nnodes
     if node_rank >= nnodes:
@@ -79,11 +122,6 @@ def train(
         raise fail([batch_size_problem(resolved.dataset.batch_size, dp)])
     if node_rank == 0:  # the run directory is node 0's (shared with the other nodes)
         prepare_run_dir(run_dir, resume, overwrite)
-
-    from arealcli.runtime.trainer import write_resolved_recipe
-
-    if node_rank == 0:
-        write_resolved_recipe(resolved, run_dir)
     if world == 1:
         return train_here(resolved, recipe, run_dir, resume)
 
@@ -93,12 +131,11 @@ def train(
     result = launch(WorkerJob(str(recipe), overrides or [], str(run_dir), resume), spec)
     if result.exit_code != 0:
         if result.error is not None:
-            err_console.print("[bold red]error:[/] ", end="")
-            err_console.print(result.error, markup=False)
+            say_error(result.error)
         else:
             err_console.print("interrupted: the last complete checkpoint is kept; continue with --resume")
         raise typer.Exit(result.exit_code)
-    console.print(f"[green]done[/]: {result.global_step} steps on {world} processes; run directory {run_dir}")
+    console.print(f"done: {result.global_step} steps on {world} processes; run directory {run_dir}")
 
 
 def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
@@ -110,6 +147,8 @@ def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
         trainer.progress = progress.update
         try:
             trainer.setup()
+            for note in trainer.notes:
+                say_error(note, title="note")
             if trainer.resumed_from is not None:
                 console.print(f"resuming from {trainer.resumed_from} (step {trainer.global_step})")
             progress.start(trainer.global_step, trainer.total_steps)
@@ -117,6 +156,8 @@ def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
         except KeyboardInterrupt:
             err_console.print("interrupted: the last complete checkpoint is kept; continue with --resume")
             raise typer.Exit(130) from None
+        except UserError as e:
+            raise fail([str(e)]) from None
         finally:
             trainer.close()
-    console.print(f"[green]done[/]: {trainer.global_step} steps; run directory {run_dir}")
+    console.print(f"done: {trainer.global_step} steps; run directory {run_dir}")

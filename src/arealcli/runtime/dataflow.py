@@ -25,7 +25,7 @@ class Call:
 
 def expand_to(batch: SequenceSample, out: SequenceSample) -> SequenceSample:
     """Repeat each sample of `batch` to line up with `out`, whose ids are (prompt id, j)."""
-    if out.bs == batch.bs:
+    if out.bs == batch.bs and list(out.ids) == list(batch.ids):
         return batch
     if out.bs % batch.bs:
         raise ValueError(f"a call returned {out.bs} samples for {batch.bs} inputs")

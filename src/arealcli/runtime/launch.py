@@ -19,6 +19,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+# The last line(s) of a worker traceback that ended in a UserError (see arealcli.errors).
+_USER_ERROR = re.compile(r"^arealcli\.errors\.\w+: (.*)\Z", re.MULTILINE | re.DOTALL)
 # Messages of errors a healthy worker raises because a peer died (not the root cause).
 _PEER_ERRORS = re.compile(
     r"DistNetworkError|DistBackendError|Connection (closed|reset) by peer|Broken pipe|NCCL|gloo",
@@ -91,7 +93,9 @@ def launch(job: WorkerJob, spec: LaunchSpec) -> LaunchResult:
     try:
         results = elastic_launch(config, run_worker)(job)
     except ChildFailedError as e:
-        return LaunchResult(1, error=root_cause(e))
+        message = root_cause(e)
+        user = _USER_ERROR.search(message)  # bad input: its message alone, exit 2 as in one process
+        return LaunchResult(2, error=user.group(1).strip()) if user else LaunchResult(1, error=message)
     except SignalException as e:
         return LaunchResult(128 + int(e.sigval))
     except KeyboardInterrupt:
@@ -184,6 +188,8 @@ def _train(job: WorkerJob, rank: int) -> int:
             trainer.progress = progress.update if progress else None
             trainer.setup()
             if progress is not None:
+                for note in trainer.notes:
+                    console.print(f"note: {note}", markup=False, highlight=False)
                 if trainer.resumed_from is not None:
                     console.print(f"resuming from {trainer.resumed_from} (step {trainer.global_step})")
                 progress.start(trainer.global_step, trainer.total_steps)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from arealcli.errors import UserError
 from arealcli.schema.recipe import ModelArchConfig, ModelSpec
 
 
@@ -77,7 +78,12 @@ def build_module(spec: ModelSpec, tokenizer, seed: int, source_module=None):
 
         module = copy.deepcopy(source_module)
     elif spec.path is not None:
-        module = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
+        try:
+            module = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as e:  # no weights, an unknown architecture, ...
+            raise UserError(
+                f"cannot load a model from {spec.path}: {str(e).strip().splitlines()[0]}"
+            ) from None
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import string
 
+from arealcli.errors import UserError
 from arealcli.schema.recipe import TokenizerSpec
 
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
@@ -36,7 +37,10 @@ def load_tokenizer(spec: TokenizerSpec | None, fallback_path: str | None):
     path = spec.path if spec is not None else fallback_path
     if path is None:
         raise ValueError("no tokenizer: set `tokenizer:` in the recipe or give a model a `path`")
-    tok = AutoTokenizer.from_pretrained(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:  # no or broken tokenizer files
+        raise UserError(f"cannot load a tokenizer from {path}: {str(e).strip().splitlines()[0]}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

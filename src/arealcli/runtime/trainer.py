@@ -9,6 +9,7 @@ saves of the backends.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import yaml
 
+from arealcli.errors import TrainingDiverged, UserError
 from arealcli.runtime import checkpoint as ckpt
 from arealcli.runtime import distributed
 from arealcli.runtime.dataflow import Call, run_calls
@@ -30,12 +32,17 @@ from arealcli.schema.recipe import Recipe
 
 
 def model_build_order(recipe: Recipe) -> list[str]:
-    """Models after the models they are initialized from."""
+    """Models after the models they are initialized from (`areal check` has ruled out cycles)."""
     order: list[str] = []
     while len(order) < len(recipe.models):
-        for name, spec in recipe.models.items():
-            if name not in order and (spec.init_from is None or spec.init_from in order):
-                order.append(name)
+        ready = [
+            name
+            for name, spec in recipe.models.items()
+            if name not in order and (spec.init_from is None or spec.init_from in order)
+        ]
+        if not ready:
+            raise UserError(f"init_from forms a cycle among {sorted(set(recipe.models) - set(order))}")
+        order.extend(ready)
     return order
 
 
@@ -61,10 +68,12 @@ class Trainer:
         first_path = next((m.path for m in r.models.values() if m.path), None)
         self.tokenizer = load_tokenizer(r.tokenizer, first_path and self._resolve(first_path))
         self.dataset = make_dataset(r.dataset, self.tokenizer, str(self.recipe_dir))
+        self.notes = list(getattr(self.dataset, "notes", []))  # rows dropped or cut, for the console
         self.batches = Batches(self.dataset, r.dataset.batch_size, r.dataset.shuffle, r.seed)
         self.eval_batches = None
         if r.eval_dataset is not None:
             eval_ds = make_dataset(r.eval_dataset, self.tokenizer, str(self.recipe_dir))
+            self.notes += getattr(eval_ds, "notes", [])
             self.eval_batches = Batches(eval_ds, min(r.eval_dataset.batch_size, len(eval_ds)), False, r.seed)
 
         epochs_steps = r.trainer.total_train_epochs * self.batches.steps_per_epoch
@@ -128,6 +137,8 @@ class Trainer:
         # models with `weights_from` start from their source's current (possibly resumed) weights
         self.weight_sync = WeightSync(r, self.models, self.tokenizer, self.run_dir)
         self.weight_sync.sync()
+        if self.rank == 0 and not (self.resume and (self.run_dir / "recipe.yaml").exists()):
+            write_resolved_recipe(r, self.run_dir)  # once setup worked: a failed start leaves no record
 
     def _resolve(self, path: str) -> str:
         p = Path(path).expanduser()
@@ -160,6 +171,7 @@ class Trainer:
                     )
             stats.update({"epoch": epoch, "timing/step_s": time.perf_counter() - t0})
             stats = distributed.mean_over_ranks(stats)
+            check_finite(stats, self.global_step, self.saved_step)
             last_step = self.global_step == self.total_steps
             if t.eval_every_n_steps and (self.global_step % t.eval_every_n_steps == 0 or last_step):
                 stats.update(self.evaluate())
@@ -234,6 +246,23 @@ class Trainer:
         for model in getattr(self, "models", {}).values():
             if model.backend is not None:
                 model.backend.destroy(model)
+
+
+def check_finite(stats: dict[str, float], step: int, saved_step: int | None) -> None:
+    """Stop at the first step whose loss or gradient norm is not finite (NaN or inf).
+
+    An optimizer step with a non-finite gradient norm is skipped by the engine; going on would only
+    train on garbage or not at all, so the run stops here with what to look at.
+    """
+    bad = sorted(
+        k for k, v in stats.items() if k.rsplit("/", 1)[-1] in ("loss", "grad_norm") and not math.isfinite(v)
+    )
+    if bad:
+        kept = f"the checkpoint of step {saved_step} is kept" if saved_step else "no checkpoint was written"
+        raise TrainingDiverged(
+            f"step {step}: {', '.join(f'{k} = {stats[k]}' for k in bad)} — training stopped ({kept}). "
+            "Usual causes: a learning rate too high, reward shaping values too large, or bad data"
+        )
 
 
 def seed_rank(seed: int, rank: int) -> None:

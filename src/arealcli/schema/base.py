@@ -2,26 +2,66 @@
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 
 class StrictModel(BaseModel):
-    """Unknown keys are errors (a typo must never be silently ignored)."""
+    """Unknown keys are errors (a typo must never be silently ignored), and nothing is coerced.
 
-    model_config = ConfigDict(extra="forbid", validate_default=True, use_attribute_docstrings=False)
+    Strict types: `true` is not a number, `"3"` is not an integer, `1.5` is not an integer; numbers
+    must be finite (`inf`/`nan` are refused); an empty text is never a valid name, path or value.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid",
+        validate_default=True,
+        use_attribute_docstrings=False,
+        strict=True,
+        allow_inf_nan=False,
+        str_min_length=1,
+    )
+
+
+NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
+# Names of models, calls and experiments: they become directory names and appear in metric keys.
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=100)]
+
+
+def name_problem(name: str) -> str | None:
+    """Why `name` is not a valid name (letters, digits, `_`, `.`, `-`; no spaces), or None."""
+    if re.match(NAME_PATTERN, name) and len(name) <= 100:
+        return None
+    odd = [c for c in name if not (c.isascii() and (c.isalnum() or c in "_.-"))]
+    shown = ", ".join(repr(c) for c in dict.fromkeys(odd))
+    return (
+        f"{name!r} is not a name: use letters, digits, '_', '.' and '-'"
+        + (f" (it contains {shown})" if odd else "")
+        + (" and at most 100 characters" if len(name) > 100 else "")
+    )
 
 
 class Abstraction(StrictModel):
     """Which registered thing to build, with which arguments.
 
-    `args` is checked against the registered class's own argument model after this model validates
-    (see `schema.validate`), so at the point of use it is always that typed model, never a dict.
+    `args` is written as a mapping; validation (`schema.validate`) checks it against the registered
+    class's own argument model and replaces it by that typed object, so at the point of use it is
+    never a dict.
     """
 
     type_: str = Field(description="Registered name of the component (see `areal list`).")
-    args: dict[str, Any] = Field(default_factory=dict, description="Arguments of that component.")
+    args: Any = Field(default_factory=dict, description="Arguments of that component (a mapping).")
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _mapping(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if not isinstance(value, dict | BaseModel):
+            raise ValueError("`args` must be a mapping of argument names to values")
+        return value
 
 
 class ModelInterfaceAbstraction(Abstraction):

@@ -1,24 +1,61 @@
 """Local files a recipe needs (model directories, tokenizers, data files), checked before anything starts.
 
-`areal check` reports missing ones as warnings (a recipe may be checked on a laptop for a cluster);
-`areal train` refuses to start without them.
+A path that does not exist is a warning for `areal check` (a recipe may be checked on a laptop for a
+cluster) and an error for `areal train`, which refuses to start without it. A path that exists but is
+the wrong thing (a directory given as a data file, a folder without `config.json` as a model, an
+empty folder as a tokenizer) or cannot be used at all (`~nosuchuser/x`) is an error for both.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from arealcli.schema.recipe import Recipe
 from arealcli.schema.source import Path_
 
+# Files one of which an HF tokenizer directory holds.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
+@dataclass
+class PathProblem:
+    where: Path_
+    message: str
+    missing: bool  # the path does not exist (a warning for `areal check`)
+
 
 def resolve(path: str, recipe_dir: Path) -> Path:
-    p = Path(path).expanduser()
+    """`~` expanded; relative paths are relative to `recipe_dir`. Raises ValueError when unusable."""
+    try:
+        p = Path(path).expanduser()
+    except RuntimeError as e:  # ~nosuchuser
+        raise ValueError(f"cannot expand {path!r}: {e}") from None
+    if "\x00" in path:
+        raise ValueError(f"{path!r} contains a NUL character")
     return p if p.is_absolute() else recipe_dir / p
 
 
-def missing_paths(recipe: Recipe, recipe_dir: Path) -> list[tuple[Path_, str]]:
-    """(recipe path, message) for every local file or directory the recipe names that does not exist."""
+def _kind_problem(full: Path, what: str) -> str | None:
+    """Why an existing `full` is not usable as `what`, or None."""
+    if what == "data file":
+        if full.is_dir():
+            return f"{what} {full} is a directory; give the JSONL file inside it"
+        if not os.access(full, os.R_OK):
+            return f"{what} {full} is not readable (permissions)"
+        return None
+    if not full.is_dir():
+        return f"{what} {full} is a file; give the directory (a Hugging Face model folder)"
+    if what == "model directory" and not (full / "config.json").is_file():
+        return f"{what} {full} has no config.json; is it a Hugging Face model folder?"
+    if what == "tokenizer directory" and not any((full / f).is_file() for f in TOKENIZER_FILES):
+        return f"{what} {full} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)"
+    return None
+
+
+def path_problems(recipe: Recipe, recipe_dir: Path) -> list[PathProblem]:
+    """Every local file or directory the recipe names that is missing or not what it should be."""
     wanted: list[tuple[Path_, str, str]] = []
     for name, m in recipe.models.items():
         if m.path:
@@ -27,11 +64,20 @@ def missing_paths(recipe: Recipe, recipe_dir: Path) -> list[tuple[Path_, str]]:
         wanted.append((("tokenizer", "path"), recipe.tokenizer.path, "tokenizer directory"))
     for key in ("dataset", "eval_dataset"):
         spec = getattr(recipe, key)
-        if spec is not None and isinstance(spec.args.get("path"), str):
-            wanted.append(((key, "args", "path"), spec.args["path"], "data file"))
+        path = getattr(spec.args, "path", None) if spec is not None else None
+        if isinstance(path, str):
+            kind = "data file" if spec.type_ == "prompt_answer" else "data path"
+            wanted.append(((key, "args", "path"), path, kind))
     out = []
     for where, path, what in wanted:
-        full = resolve(path, recipe_dir)
-        if not full.exists():
-            out.append((where, f"{what} {full} does not exist"))
+        try:
+            full = resolve(path, recipe_dir)
+            exists = full.exists()
+        except (ValueError, OSError) as e:
+            out.append(PathProblem(where, f"{what} {path!r} is not a usable path ({e})", False))
+            continue
+        if not exists:
+            out.append(PathProblem(where, f"{what} {full} does not exist", True))
+        elif what != "data path" and (problem := _kind_problem(full, what)) is not None:
+            out.append(PathProblem(where, problem, False))
     return out

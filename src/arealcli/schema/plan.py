@@ -1,4 +1,8 @@
-"""The batch plan of a recipe: prompts x samples per prompt -> minibatches -> optimizer steps."""
+"""The batch plan of a recipe: prompts x samples per prompt -> minibatches -> optimizer steps.
+
+Runs on a validated recipe only (typed args): a plugin interface's args may lack any of the fields
+read here, which then take their neutral value.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,19 @@ def samples_per_step(recipe: Recipe) -> tuple[int, int]:
     n = 1
     for call in recipe.dataflow.calls:
         if call.type == "generate":
-            n = int((call.interface.args.get("generation") or {}).get("n", 1))
+            n = _count(getattr(getattr(call.interface.args, "generation", None), "n", 1))
             break
     return recipe.dataset.batch_size, n
+
+
+def _count(value) -> int:
+    """A positive count, or 1 for anything else (a plugin's field of another meaning)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def _minibatches(call) -> tuple[int, int]:
+    args = call.interface.args
+    return _count(getattr(args, "n_minibatches", 1)), _count(getattr(args, "sample_reuse", 1))
 
 
 def plan_lines(recipe: Recipe) -> list[str]:
@@ -21,9 +35,7 @@ def plan_lines(recipe: Recipe) -> list[str]:
     for call in recipe.dataflow.calls:
         if call.type != "train_step":
             continue
-        args = call.interface.args
-        mbs = int(args.get("n_minibatches", 1))
-        reuse = int(args.get("sample_reuse", 1))
+        mbs, reuse = _minibatches(call)
         size = prompts * n if call.interface.type_ != "sft" else prompts
         mb = call.mb_spec
         split = f">= {mb.n_mbs} micro-batch(es)" + (
@@ -46,7 +58,7 @@ def plan_problems(recipe: Recipe) -> list[tuple[tuple, str]]:
     for i, call in enumerate(recipe.dataflow.calls):
         if call.type != "train_step" or call.interface.type_ == "sft":
             continue
-        mbs = int(call.interface.args.get("n_minibatches", 1))
+        mbs, _ = _minibatches(call)
         if (prompts * n) % mbs:
             out.append(
                 (

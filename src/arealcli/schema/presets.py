@@ -20,10 +20,19 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from arealcli.schema.source import Located
+from pydantic import Field, NonNegativeInt, ValidationError, field_validator
+
+from arealcli.schema.base import Name, StrictModel
+from arealcli.schema.registry import suggest
+from arealcli.schema.source import Located, Path_
 
 PRESETS = ("sft", "grpo", "ppo")
-PRESET_KEYS = {"preset", "actor", "critic", "reward", "shaping", "mb_spec", "sft_warmup_steps", "model"}
+# Preset keys each preset ignores: giving one is a mistake worth saying.
+UNUSED = {
+    "sft": ("actor", "critic", "reward", "shaping", "sft_warmup_steps"),
+    "grpo": ("critic", "model"),
+    "ppo": ("model",),
+}
 
 # `version` (meta): the policy version that generated each sample (it lags when generation servers do)
 GEN_OUT = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "version"]
@@ -144,33 +153,73 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
     return calls, origin
 
 
-def expand_in_place(src: Located) -> list[str]:
-    """Replace a preset `dataflow` by its calls in `src.data`; returns error messages (unknown preset...)."""
+class PresetSpec(StrictModel):
+    """A `dataflow:` written as a named preset; its blocks are the interfaces' args (checked there)."""
+
+    preset: str = Field(description="sft, grpo or ppo.")
+    actor: dict[str, Any] | None = Field(None, description="ppo_actor args.")
+    critic: dict[str, Any] | None = Field(None, description="ppo_critic args (ppo).")
+    reward: dict[str, Any] | None = Field(None, description="reward interface args.")
+    shaping: dict[str, Any] | None = Field(None, description="Reward shaping + KL for actor and critic.")
+    mb_spec: dict[str, Any] | None = Field(None, description="Micro-batch split of every call.")
+    sft_warmup_steps: NonNegativeInt = Field(0, le=1 << 30, description="SFT steps before RL.")
+    model: Name = Field("default", description="The trained model (sft).")
+
+    @field_validator("preset")
+    @classmethod
+    def _known(cls, preset: str) -> str:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}{suggest(preset, list(PRESETS))}")
+        return preset
+
+
+def expand_in_place(src: Located) -> list[tuple[Path_, str]]:
+    """Replace a preset `dataflow` by its calls in `src.data`; returns (path, message) problems.
+
+    The generated calls' paths are aliased to the preset keys they came from, so an error in the
+    actor's args reads `dataflow.actor.eps_clipp` at that line, once.
+    """
     df = src.data.get("dataflow")
     if not isinstance(df, dict) or "preset" not in df:
         return []
-    preset = df.get("preset")
-    if preset not in PRESETS:
-        return [f"unknown preset {preset!r}; available: {', '.join(PRESETS)}"]
-    if df.get("calls"):
-        return ["give either `preset` or `calls`, not both (see `areal check --print` for a preset's calls)"]
-    unknown = sorted(set(df) - PRESET_KEYS)
-    if unknown:
-        return [f"unknown preset key(s) {unknown}; preset keys: {', '.join(sorted(PRESET_KEYS))}"]
+    if df.get("calls") is not None:
+        return [
+            (
+                ("dataflow", "calls"),
+                "give either `preset` or `calls`, not both (see `areal check --print` for a preset's calls)",
+            )
+        ]
+    try:
+        spec = PresetSpec.model_validate(df)
+    except ValidationError as e:
+        return [
+            (("dataflow", *loc), message)
+            for loc, message in ((p.path, p.message) for p in _problems(e, PresetSpec))
+        ]
+    unused = [k for k in UNUSED[spec.preset] if df.get(k) is not None]
+    if unused:
+        return [(("dataflow", k), f"the {spec.preset} preset does not use `{k}`") for k in unused]
     models = src.data.get("models") if isinstance(src.data.get("models"), dict) else {}
-    calls, origin = expand(df, models)
-    here = src.positions.get(("dataflow",), (1, 1))
-    for i in range(len(calls)):
-        src.positions[("dataflow", "calls", i)] = here
+    calls, origin = expand(spec.model_dump(exclude_none=True), models)
+    for i, call in enumerate(calls):
+        here = ("dataflow", "calls", i)
+        src.aliases[here] = ("dataflow", f"preset[{spec.preset}]", call["name"])
+        if "mb_spec" in df:
+            src.aliases[here + ("mb_spec",)] = ("dataflow", "mb_spec")
         if i in origin:
-            key = ("dataflow", origin[i])
-            src.positions[("dataflow", "calls", i, "interface", "args")] = src.positions.get(key, here)
-            for path, pos in list(src.positions.items()):
-                if path[: len(key)] == key and len(path) > len(key):
-                    src.positions[("dataflow", "calls", i, "interface", "args", *path[len(key) :])] = pos
-            if origin[i] in ("actor", "critic") and ("dataflow", "shaping") in src.positions:
-                for path, pos in list(src.positions.items()):
-                    if path[:2] == ("dataflow", "shaping"):
-                        src.positions[("dataflow", "calls", i, "interface", "args", *path[1:])] = pos
+            src.aliases[here + ("interface", "args")] = ("dataflow", origin[i])
+            if origin[i] in ("actor", "critic") and "shaping" in df:
+                src.aliases[here + ("interface", "args", "shaping")] = ("dataflow", "shaping")
+        if call.get("end_step") is not None or call.get("start_step"):
+            src.aliases[here + ("end_step",)] = src.aliases[here + ("start_step",)] = (
+                "dataflow",
+                "sft_warmup_steps",
+            )
     src.data["dataflow"] = {"calls": calls}
     return []
+
+
+def _problems(err: ValidationError, model):
+    from arealcli.schema.validate import problems_from_validation_error
+
+    return problems_from_validation_error(err, model)

@@ -6,7 +6,13 @@ from typing import Literal
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
-from arealcli.schema.base import Abstraction, ModelBackendAbstraction, ModelInterfaceAbstraction, StrictModel
+from arealcli.schema.base import (
+    Abstraction,
+    ModelBackendAbstraction,
+    ModelInterfaceAbstraction,
+    Name,
+    StrictModel,
+)
 from arealcli.schema.components.engine import MicroBatchSpec
 
 
@@ -14,12 +20,12 @@ class ModelArchConfig(StrictModel):
     """Build a model from an architecture config instead of loading weights (debugging, quickstarts)."""
 
     family: Literal["qwen2", "llama"] = Field("qwen2", description="Architecture family.")
-    hidden_size: PositiveInt = Field(64, description="Width of the residual stream.")
-    num_hidden_layers: PositiveInt = Field(2, description="Transformer layers.")
-    num_attention_heads: PositiveInt = Field(4, description="Query heads.")
-    num_key_value_heads: PositiveInt = Field(2, description="Key/value heads (GQA).")
-    intermediate_size: PositiveInt = Field(256, description="MLP width.")
-    max_position_embeddings: PositiveInt = Field(1024, description="Longest sequence, in tokens.")
+    hidden_size: PositiveInt = Field(64, le=1 << 16, description="Width of the residual stream.")
+    num_hidden_layers: PositiveInt = Field(2, le=1024, description="Transformer layers.")
+    num_attention_heads: PositiveInt = Field(4, le=1024, description="Query heads.")
+    num_key_value_heads: PositiveInt = Field(2, le=1024, description="Key/value heads (GQA).")
+    intermediate_size: PositiveInt = Field(256, le=1 << 18, description="MLP width.")
+    max_position_embeddings: PositiveInt = Field(1024, le=1 << 22, description="Longest sequence, in tokens.")
     rope_theta: float = Field(10000.0, gt=0, description="Rotary embedding base.")
     tie_word_embeddings: bool = Field(True, description="Share input and output embeddings.")
 
@@ -85,14 +91,14 @@ class ModelSpec(StrictModel):
 class DatasetSpec(Abstraction):
     """A registered dataset, and how it is batched."""
 
-    batch_size: PositiveInt = Field(description="Prompts (or samples) per training step.")
+    batch_size: PositiveInt = Field(le=1 << 24, description="Prompts (or samples) per training step.")
     shuffle: bool = Field(True, description="Reshuffle every epoch (seeded: the order is reproducible).")
 
 
 class CallSpec(StrictModel):
     """One model function call (MFC) of the dataflow graph."""
 
-    name: str = Field(description="Unique name of the call (used in logs and timings).")
+    name: Name = Field(description="Unique name of the call (used in logs and timings).")
     model: str | None = Field(
         description="Model it runs on (null for weightless interfaces such as rule rewards)."
     )
@@ -125,9 +131,11 @@ class DataflowSpec(StrictModel):
 class TrainerSpec(StrictModel):
     """The training loop: how long, and how often to log, evaluate and save."""
 
-    total_train_epochs: PositiveInt = Field(1, description="Passes over the dataset.")
+    total_train_epochs: PositiveInt = Field(1, le=1 << 20, description="Passes over the dataset.")
     max_steps: PositiveInt | None = Field(
-        None, description="Train this many steps, cycling over epochs (overrides total_train_epochs)."
+        None,
+        le=1 << 30,
+        description="Train this many steps, cycling over epochs (overrides total_train_epochs).",
     )
     log_every_n_steps: PositiveInt = Field(1, description="Console/JSONL logging interval.")
     save_every_n_steps: PositiveInt | None = Field(
@@ -149,15 +157,26 @@ class TrainerSpec(StrictModel):
 class Recipe(StrictModel):
     """A whole training recipe."""
 
-    experiment: str = Field(description="Name of the run.")
+    experiment: Name = Field(
+        description="Name of the run: one directory name (runs/<experiment>), letters, digits, _ . -"
+    )
     seed: NonNegativeInt = Field(1, description="Seed for weights, data order and sampling.")
     output_dir: str | None = Field(None, description="Run directory; default runs/<experiment>.")
     imports: list[str] = Field(default_factory=list, description="Python modules to import (user plugins).")
     tokenizer: TokenizerSpec | None = Field(
         None, description="Tokenizer; default: the one in the first model's `path`."
     )
-    models: dict[str, ModelSpec] = Field(min_length=1, description="Models by name.")
+    models: dict[Name, ModelSpec] = Field(min_length=1, description="Models by name.")
     dataset: DatasetSpec = Field(description="Training data.")
     eval_dataset: DatasetSpec | None = Field(None, description="Held-out data for evaluation.")
     dataflow: DataflowSpec = Field(description="The algorithm's model calls.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Loop settings.")
+
+    @model_validator(mode="after")
+    def _tokenizer_known(self) -> Recipe:
+        if self.tokenizer is None and not any(m.path for m in self.models.values()):
+            raise ValueError(
+                "no tokenizer: set `tokenizer:` ({kind: char}, or {path: DIR}) or give a model a `path` "
+                "whose directory has one"
+            )
+        return self

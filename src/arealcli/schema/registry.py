@@ -144,7 +144,8 @@ def register_dataset(name: str, cls: type) -> type:
 
 
 def register_reward(name: str, fn: Any) -> Any:
-    """Register a reward function `fn(prompts, responses, **dataset_fields) -> list[float]`."""
+    """Register a reward function `fn(prompts, responses, answers) -> list[float]` (one score per response;
+    `answers[i]` is the list of reference answers of response i's prompt)."""
     REWARDS.add(Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?")))
     return fn
 
@@ -179,4 +180,6 @@ def import_plugins(modules: list[str]) -> list[str]:
             errors.append(f"cannot import {module!r}: {e}")
         except RegistryError as e:
             errors.append(f"importing {module!r}: {e}")
+        except Exception as e:  # the plugin's own code failed: say where, without a traceback
+            errors.append(f"importing {module!r} failed: {type(e).__name__}: {e}")
     return errors

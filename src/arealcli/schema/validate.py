@@ -6,6 +6,8 @@ the command layer can print each one as `file:line:col: path: message (got value
 
 from __future__ import annotations
 
+import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ class Problem:
     value: Any = _MISSING
 
     def format(self, src: Located) -> str:
-        dotted = ".".join(str(p) for p in self.path) or "<recipe>"
+        dotted = ".".join(str(p) for p in src.display_path(self.path)) or "<recipe>"
         got = "" if self.value is _MISSING else f" (got {_short(self.value)})"
         return f"{src.where(self.path)}: {dotted}: {self.message}{got}"
 
@@ -44,10 +46,11 @@ class Problem:
 class RecipeInvalid(Exception):
     def __init__(self, problems: list[Problem], src: Located):
         self.problems, self.src = problems, src
-        super().__init__("\n".join(p.format(src) for p in problems))
+        super().__init__("\n".join(self.lines()))
 
     def lines(self) -> list[str]:
-        return [p.format(self.src) for p in self.problems]
+        """One line per problem; a problem seen through several generated calls is said once."""
+        return list(dict.fromkeys(p.format(self.src) for p in self.problems))
 
 
 def _short(value: Any) -> str:
@@ -128,7 +131,8 @@ def _abstractions(data: dict) -> list[tuple[Path_, Registry, Any]]:
     if isinstance(models, dict):
         for name, spec in models.items():
             if isinstance(spec, dict):
-                spec.setdefault("backend", {"type_": "hf"})  # the default, resolved like a written one
+                if spec.get("backend") is None:
+                    spec["backend"] = {"type_": "hf"}  # the default, resolved like a written one
                 found.append((("models", name, "backend"), BACKENDS, spec["backend"]))
     for key in ("dataset", "eval_dataset"):
         if isinstance(data.get(key), dict):
@@ -141,28 +145,41 @@ def _abstractions(data: dict) -> list[tuple[Path_, Registry, Any]]:
     return found
 
 
-def _check_args(path: Path_, registry: Registry, raw: Any) -> list[Problem]:
+Typed = dict[Path_, BaseModel]  # path of a `{type_, args}` -> its validated, typed args
+
+
+def _check_args(path: Path_, registry: Registry, raw: Any, typed: Typed) -> list[Problem]:
     if not isinstance(raw, dict) or not isinstance(raw.get("type_"), str):
         return []  # the structural pass reports it
     try:
         entry = registry.get(raw["type_"])
     except RegistryError as e:
-        return [Problem(path + ("type_",), str(e).replace(f"{raw['type_']!r}", repr(raw["type_"]), 1))]
-    args = raw.get("args") or {}
+        return [Problem(path + ("type_",), str(e))]
+    args = raw.get("args", {})
+    if args is None:
+        args = {}
     if not isinstance(args, dict):
-        return []
+        return []  # the structural pass reports it
     try:
-        typed = entry.args_model.model_validate(args)
+        # strict: the same rules as the recipe's own models (no coercion), for plugins' Args too
+        typed[path] = entry.args_model.model_validate(args, strict=True)
     except ValidationError as e:
         return problems_from_validation_error(e, entry.args_model, path + ("args",))
-    raw["args"] = typed.model_dump(mode="json")  # the resolved recipe shows every default
     return []
+
+
+def _at(recipe: Recipe, path: Path_) -> Any:
+    """The object at `path` of a validated recipe (an `Abstraction`)."""
+    node: Any = recipe
+    for part in path:
+        node = node[part] if isinstance(node, dict | list) else getattr(node, part)
+    return node
 
 
 # --------------------------------------------------------------------------- the dataflow graph
 
 
-def _check_graph(data: dict) -> list[Problem]:
+def _check_graph(data: dict, typed: Typed) -> list[Problem]:
     """Cross-references, checked on whichever parts of the recipe are themselves valid."""
     try:
         calls = DataflowSpec.model_validate(data.get("dataflow")).calls
@@ -205,9 +222,9 @@ def _check_graph(data: dict) -> list[Problem]:
                     here + ("model",), f"no such model{suggest(call.model, list(raw_models))}", call.model
                 )
             )
-        if call.model is not None and call.type == "train_step" and call.model in models:
-            backend_args = models[call.model].backend.args
-            if "optimizer" in backend_args and backend_args["optimizer"] is None:
+        backend_args = typed.get(("models", call.model, "backend"))
+        if call.type == "train_step" and backend_args is not None:
+            if getattr(backend_args, "optimizer", "absent") is None:
                 problems.append(
                     Problem(
                         ("models", call.model, "backend", "args"),
@@ -262,13 +279,16 @@ def _check_graph(data: dict) -> list[Problem]:
                         key,
                     )
                 )
-    for name, spec in models.items():
-        if spec.init_from is not None and spec.init_from not in raw_models:
+    problems.extend(_check_init_from(models, list(raw_models)))
+    used = {c.model for c in calls if c.model is not None}
+    sources = {m.init_from for m in models.values()} | {m.weights_from for m in models.values()}
+    for name in raw_models if used <= set(raw_models) else ():  # (a misspelled call model is said above)
+        if name not in used and name not in sources:
             problems.append(
                 Problem(
-                    ("models", name, "init_from"),
-                    f"no such model{suggest(spec.init_from, list(raw_models))}",
-                    spec.init_from,
+                    ("models", name),
+                    f"model {name!r} is used by no call (and no model starts from or follows it)"
+                    + _did_you_mean(name, sorted(used | {"actor", "ref", "critic", "actor_gen"})),
                 )
             )
     trained = {c.model for c in calls if c.type == "train_step" and c.model is not None}
@@ -304,6 +324,34 @@ def _check_graph(data: dict) -> list[Problem]:
     return problems
 
 
+def _did_you_mean(name: str, options: list[str]) -> str:
+    options = [o for o in options if o != name]
+    close = difflib.get_close_matches(name.strip().lower(), options, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_init_from(models: dict[str, ModelSpec], names: list[str]) -> list[Problem]:
+    """`init_from` names another model of the recipe, and following it never comes back (no cycle)."""
+    problems = []
+    for name, spec in models.items():
+        where = ("models", name, "init_from")
+        if spec.init_from is None:
+            continue
+        if spec.init_from == name:
+            problems.append(Problem(where, "a model cannot start from itself", spec.init_from))
+        elif spec.init_from not in names:
+            problems.append(Problem(where, f"no such model{suggest(spec.init_from, names)}", spec.init_from))
+        else:
+            chain, current = [name], spec.init_from
+            while current in models and models[current].init_from is not None and current not in chain:
+                chain.append(current)
+                current = models[current].init_from
+            if current in chain:
+                cycle = " -> ".join([*chain[chain.index(current) :], current])
+                problems.append(Problem(where, f"init_from forms a cycle: {cycle}", spec.init_from))
+    return problems
+
+
 def _covers(producer: Any, consumer: Any) -> bool:
     """Does the producer run at every step the consumer runs?"""
     if producer.start_step > consumer.start_step:
@@ -324,29 +372,52 @@ def _dataset_keys(raw: Any) -> frozenset[str] | None:
 
 
 def validate(src: Located) -> Recipe:
-    """Validate and resolve a located recipe; raises RecipeInvalid listing every problem."""
+    """Validate and resolve a located recipe; raises RecipeInvalid listing every problem.
+
+    The returned recipe is fully typed: every `args` is its component's own argument model.
+    """
     data = src.data
-    problems: list[Problem] = []
-    imports = data.get("imports") or []
-    if isinstance(imports, list) and all(isinstance(m, str) for m in imports):
-        for msg in import_plugins(imports):
-            problems.append(Problem(("imports",), msg))
-    problems.extend(Problem(("dataflow", "preset"), msg) for msg in presets.expand_in_place(src))
-    for path, registry, raw in _abstractions(data):
-        problems.extend(_check_args(path, registry, raw))
+    problems: list[Problem] = _check_imports(data.get("imports"))
+    problems.extend(Problem(path, msg) for path, msg in presets.expand_in_place(src))
+    typed: Typed = {}
+    abstractions = _abstractions(data)
+    for path, registry, raw in abstractions:
+        problems.extend(_check_args(path, registry, raw, typed))
     recipe = None
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         problems.extend(problems_from_validation_error(e, Recipe))
-    if recipe is not None:
+    if recipe is not None and len(typed) == len(abstractions):
+        for path in typed:
+            _at(recipe, path).args = typed[path]
         problems.extend(Problem(path, msg) for path, msg in plan.plan_problems(recipe))
-    problems.extend(_check_graph(data))
+    problems.extend(_check_graph(data, typed))
     if problems:
-        problems.sort(key=lambda p: _line_of(src, p.path))
+        problems.sort(key=lambda p: _line_of(src, src.display_path(p.path)))
         raise RecipeInvalid(problems, src)
     assert recipe is not None
     return recipe
+
+
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _check_imports(imports: Any) -> list[Problem]:
+    """Import the recipe's plugin modules: a list of dotted module names (checked before importing)."""
+    if imports is None:
+        return []
+    if not isinstance(imports, list):
+        return []  # the structural pass reports it
+    problems, modules = [], []
+    for i, module in enumerate(imports):
+        if isinstance(module, str) and _MODULE.match(module):
+            modules.append((i, module))
+        elif isinstance(module, str):
+            problems.append(Problem(("imports", i), "not a module name (e.g. my_pkg.algo)", module))
+    for i, module in modules:
+        problems.extend(Problem(("imports", i), msg) for msg in import_plugins([module]))
+    return problems
 
 
 def _line_of(src: Located, path: Path_) -> tuple[int, int]:

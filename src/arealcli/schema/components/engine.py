@@ -33,7 +33,7 @@ class OptimizerConfig(StrictModel):
 class MicroBatchSpec(StrictModel):
     """How a batch is split into micro-batches: by a token budget, with at least `n_mbs` of them."""
 
-    n_mbs: PositiveInt = Field(1, description="Minimum number of micro-batches.")
+    n_mbs: PositiveInt = Field(1, le=1 << 20, description="Minimum number of micro-batches.")
     max_tokens_per_mb: PositiveInt | None = Field(
         None, description="Token budget per micro-batch (first-fit-decreasing packing); null = no budget."
     )
@@ -42,8 +42,8 @@ class MicroBatchSpec(StrictModel):
 class GenerationHyperparameters(StrictModel):
     """Sampling settings for generation."""
 
-    n: PositiveInt = Field(1, description="Samples per prompt.")
-    max_new_tokens: PositiveInt = Field(16, description="Maximum generated tokens per sample.")
+    n: PositiveInt = Field(1, le=4096, description="Samples per prompt.")
+    max_new_tokens: PositiveInt = Field(16, le=1 << 22, description="Maximum generated tokens per sample.")
     min_new_tokens: int = Field(0, ge=0, description="Minimum generated tokens (EOS suppressed before).")
     greedy: bool = Field(False, description="Greedy decoding (ignores temperature/top_p/top_k).")
     temperature: float = Field(1.0, gt=0, description="Softmax temperature.")

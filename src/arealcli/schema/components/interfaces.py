@@ -10,6 +10,17 @@ from arealcli.schema.base import StrictModel
 from arealcli.schema.components.engine import GenerationHyperparameters
 
 
+def _registered_reward(name: str) -> str:
+    """A reward function name must be registered (checked by `areal check`, not at the first use)."""
+    from arealcli.schema.registry import REWARDS, RegistryError
+
+    try:
+        REWARDS.get(name)
+    except RegistryError as e:
+        raise ValueError(str(e)) from None
+    return name
+
+
 class SFTArgs(StrictModel):
     """Supervised fine-tuning: next-token NLL over answer tokens."""
 
@@ -82,18 +93,22 @@ class PPOActorArgs(StrictModel):
         None, gt=0, description="Logits temperature for log-probs; default: generation.temperature."
     )
     n_minibatches: PositiveInt = Field(
-        1, description="Optimizer steps per batch (each on a shuffled minibatch)."
+        1, le=1 << 16, description="Optimizer steps per batch (each on a shuffled minibatch)."
     )
     lr_scale: float = Field(
         1.0, gt=0, description="Multiplier on the backend's learning rate for this interface's updates."
     )
-    sample_reuse: PositiveInt = Field(1, description="Passes over the batch (PPO epochs).")
+    sample_reuse: PositiveInt = Field(1, le=1024, description="Passes over the batch (PPO epochs).")
     early_stop_imp_ratio: float | None = Field(
         None, gt=1, description="Skip a minibatch whose mean ratio exceeds this."
     )
     # --- evaluation
     eval_reward_fn: str = Field("math", description="Reward used for held-out accuracy (greedy decoding).")
-    eval_max_new_tokens: PositiveInt | None = Field(None, description="Default: generation.max_new_tokens.")
+    eval_max_new_tokens: PositiveInt | None = Field(
+        None, le=1 << 22, description="Default: generation.max_new_tokens."
+    )
+
+    _known = field_validator("eval_reward_fn")(_registered_reward)
 
     @model_validator(mode="after")
     def _consistent(self) -> PPOActorArgs:
@@ -115,11 +130,11 @@ class PPOCriticArgs(StrictModel):
     shaping: RewardShaping = Field(default_factory=RewardShaping, description="Keep equal to the actor's.")
     value_eps_clip: float = Field(0.2, gt=0, description="Clip of the value update around the old values.")
     gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda for the returns.")
-    n_minibatches: PositiveInt = Field(1, description="Optimizer steps per batch.")
+    n_minibatches: PositiveInt = Field(1, le=1 << 16, description="Optimizer steps per batch.")
     lr_scale: float = Field(
         1.0, gt=0, description="Multiplier on the backend's learning rate for this interface's updates."
     )
-    sample_reuse: PositiveInt = Field(1, description="Passes over the batch.")
+    sample_reuse: PositiveInt = Field(1, le=1024, description="Passes over the batch.")
 
 
 class RewardArgs(StrictModel):
@@ -127,13 +142,4 @@ class RewardArgs(StrictModel):
 
     reward_fn: str = Field("math", description="Registered reward function (see `areal list rewards`).")
 
-    @field_validator("reward_fn")
-    @classmethod
-    def _known(cls, name: str) -> str:
-        from arealcli.schema.registry import REWARDS, RegistryError
-
-        try:
-            REWARDS.get(name)
-        except RegistryError as e:
-            raise ValueError(str(e)) from None
-        return name
+    _known = field_validator("reward_fn")(_registered_reward)
