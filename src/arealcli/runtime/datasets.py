@@ -15,8 +15,8 @@ from arealcli.schema.components.datasets import PromptAnswerArgs
 MAX_REPORTED = 5  # bad rows named in one error
 
 
-def read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    """(line number, parsed value) of every non-blank line; a DataError names every bad line (up to a few).
+def read_jsonl(path: Path) -> tuple[list[tuple[int, Any]], list[str]]:
+    """(line number, parsed value) of every non-blank line, and `file:line:col: problem` of every bad one.
 
     UTF-8 only (a BOM is allowed); each line one JSON value.
     """
@@ -45,8 +45,7 @@ def read_jsonl(path: Path) -> list[tuple[int, Any]]:
             bad.append(f"{path}:{lineno}:{e.colno}: not valid JSON: {e.msg}")
         except RecursionError:
             bad.append(f"{path}:{lineno}: JSON nested too deeply")
-    _raise_bad(bad)
-    return rows
+    return rows, bad
 
 
 def _raise_bad(bad: list[str]) -> None:
@@ -90,8 +89,9 @@ class PromptAnswerDataset:
             raise DataError(f"dataset file {path} does not exist")
         self.path, self.args, self.tokenizer = path, args, tokenizer
         self.notes: list[str] = []  # what was dropped or cut, for the console
-        rows, bad = [], []
-        for lineno, row in read_jsonl(path):
+        rows = []
+        parsed, bad = read_jsonl(path)
+        for lineno, row in parsed:
             if args.limit is not None and len(rows) >= args.limit:
                 break
             problem = self._row_problem(row)
@@ -99,7 +99,7 @@ class PromptAnswerDataset:
                 bad.append(f"{path}:{lineno}: {problem}")
             else:
                 rows.append((lineno, row))
-        _raise_bad(bad)
+        _raise_bad(sorted(bad, key=lambda line: int(line[len(str(path)) + 1 :].split(":")[0])))
         if not rows:
             raise DataError(f"{path} has no rows (an empty or blank file); each line must be a JSON object")
         self.items, dropped, cut = [], [], []

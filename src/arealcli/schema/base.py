@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 
 class StrictModel(BaseModel):
@@ -25,22 +25,21 @@ class StrictModel(BaseModel):
     )
 
 
-NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"
-# Names of models, calls and experiments: they become directory names and appear in metric keys.
-Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=100)]
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,99}$")
 
 
-def name_problem(name: str) -> str | None:
-    """Why `name` is not a valid name (letters, digits, `_`, `.`, `-`; no spaces), or None."""
-    if re.match(NAME_PATTERN, name) and len(name) <= 100:
-        return None
+def _valid_name(name: str) -> str:
+    """Letters, digits, `_`, `.`, `-` (not first), at most 100: safe as a directory name and a metric key."""
+    if NAME_PATTERN.match(name):
+        return name
     odd = [c for c in name if not (c.isascii() and (c.isalnum() or c in "_.-"))]
     shown = ", ".join(repr(c) for c in dict.fromkeys(odd))
-    return (
-        f"{name!r} is not a name: use letters, digits, '_', '.' and '-'"
-        + (f" (it contains {shown})" if odd else "")
-        + (" and at most 100 characters" if len(name) > 100 else "")
-    )
+    why = f"it contains {shown}" if odd else "it starts with '.' or '-'" if len(name) <= 100 else "too long"
+    raise ValueError(f"not a name ({why}); use letters, digits, '_', '.' and '-', at most 100 characters")
+
+
+# Names of models, calls and experiments: they become directory names and appear in metric keys.
+Name = Annotated[str, AfterValidator(_valid_name)]
 
 
 class Abstraction(StrictModel):

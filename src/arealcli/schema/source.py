@@ -120,10 +120,12 @@ class _Builder:
     def build(self, node: yaml.Node, path: Path_, depth: int = 0) -> Any:
         self.nodes += 1
         if self.nodes > MAX_NODES or depth > 4 * MAX_DEPTH:
+            mark = node.start_mark
             raise RecipeSourceError(
                 [
-                    f"{self.file}: the recipe expands to more than {MAX_NODES} values (or nests deeper than "
-                    f"{4 * MAX_DEPTH}) through YAML aliases; recipes are small, so this is refused"
+                    f"{self.file}:{mark.line + 1}:{mark.column + 1}: the recipe expands to more than {MAX_NODES} "
+                    f"values (or nests deeper than {4 * MAX_DEPTH}) through YAML aliases; recipes are small, "
+                    "so this is refused"
                 ]
             )
         self.positions.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))

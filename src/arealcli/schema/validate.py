@@ -378,7 +378,7 @@ def validate(src: Located) -> Recipe:
     """
     data = src.data
     problems: list[Problem] = _check_imports(data.get("imports"))
-    problems.extend(Problem(path, msg) for path, msg in presets.expand_in_place(src))
+    preset_problems = [Problem(path, msg) for path, msg in presets.expand_in_place(src)]
     typed: Typed = {}
     abstractions = _abstractions(data)
     for path, registry, raw in abstractions:
@@ -393,6 +393,8 @@ def validate(src: Located) -> Recipe:
             _at(recipe, path).args = typed[path]
         problems.extend(Problem(path, msg) for path, msg in plan.plan_problems(recipe))
     problems.extend(_check_graph(data, typed))
+    if preset_problems:  # the dataflow was not expanded: what else is said of it is noise
+        problems = preset_problems + [p for p in problems if p.path[:1] != ("dataflow",)]
     if problems:
         problems.sort(key=lambda p: _line_of(src, src.display_path(p.path)))
         raise RecipeInvalid(problems, src)
