@@ -215,6 +215,28 @@ def test_a_failing_worker_stops_every_process_and_shows_its_error_once(ws):
     assert [r["step"] for r in metrics(ws.root / "run")] == [1, 2]  # steps 1, 2 ran; the third failed
 
 
+@pytest.mark.slow
+def test_bad_data_in_workers_is_one_message_and_exit_2(ws):
+    (ws.root / "bad.jsonl").write_text('{"prompt": "a:", "answer": null}\n' * 8)
+    recipe = ws.recipe(dataset={"args": {"path": "bad.jsonl"}}, trainer={"max_steps": 1}, **backend("fsdp"))
+    out, survivors = areal("train", recipe, "-o", ws.root / "run", "--nproc-per-node", 2, cwd=ws.root)
+    assert out.returncode == 2, out.stderr
+    assert not survivors
+    assert "bad.jsonl:1: 'answer' must be a text" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_data_parallel_size_reads_typed_backend_args(ws):
+    from arealcli.commands.train import data_parallel_size
+    from arealcli.schema.source import apply_overrides, load_recipe_source
+    from arealcli.schema.validate import validate
+
+    megatron = ["models.default.backend={type_: megatron, args: {tensor_parallel_size: 2, optimizer: {lr: 0.1}}}"]
+    recipe = validate(apply_overrides(load_recipe_source(ws.recipe()), megatron))
+    assert data_parallel_size(recipe, 2) == 1  # tensor parallel over both ranks: one data-parallel rank
+    assert data_parallel_size(recipe, 4) == 2
+
+
 def test_batch_size_must_divide_over_the_processes(ws, cli):
     result = cli("train", ws.recipe(), "-o", ws.root / "run", "--nproc-per-node", "3")
     assert result.exit_code == 2
