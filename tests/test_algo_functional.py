@@ -395,18 +395,45 @@ def test_ppo_actor_loss_decoupled():
     mask = torch.ones(1, 3)
 
     loss, stats = ppo_actor_loss(logp, old_logp, adv, mask, prox_logp=prox, behav_imp_weight_cap=5.0)
-    assert_close(loss, torch.tensor(-0.85))  # (-2.2 + .5) / 2
-    assert_close(stats["behav_imp_weight_mean"], torch.tensor(1.25))  # (2 + .5) / 2
+    # t2 is capped away but stays in the denominator: (-2.2 + .5 + 0) / 3, not / 2
+    assert_close(loss, torch.tensor(-1.7 / 3))
+    assert_close(stats["behav_imp_weight_mean"], torch.tensor((2 + 0.5 + 20.0855369) / 3))
+    assert_close(stats["behav_imp_weight_max"], torch.tensor(20.0855369))
+    assert_close(stats["behav_imp_weight_capped_frac"], torch.tensor(1 / 3))
     assert_close(stats["clip_frac"], torch.tensor(0.0))
-    assert_close(stats["ratio_mean"], torch.tensor(1.05))  # (1.1 + 1) / 2
+    assert_close(stats["ratio_mean"], torch.tensor(1.05))  # (1.1 + 1) / 2, over the kept tokens
     loss.backward()
-    # dL/dlogp = -A * ratio * w / 2: t0 -1.1 * 2 / 2 = -1.1, t1 +1 * .5 / 2 = .25, t2 dropped
-    assert_close(logp.grad, torch.tensor([[-1.1, 0.25, 0.0]]))
+    # dL/dlogp = -A * ratio * w / 3: t0 -1.1 * 2 / 3, t1 +1 * .5 / 3, t2 capped away
+    assert_close(logp.grad, torch.tensor([[-2.2 / 3, 0.5 / 3, 0.0]]))
     assert prox.grad is None
+
+    loss, _ = ppo_actor_loss(
+        logp, old_logp, adv, mask, prox_logp=prox, behav_imp_weight_cap=5.0, behav_imp_weight_mode="truncate"
+    )
+    assert_close(loss, torch.tensor((-2.2 + 0.5 - 5.0) / 3))  # t2's weight truncated to the cap
 
     loss, stats = ppo_actor_loss(logp, old_logp, adv, mask, prox_logp=prox)  # no cap: all 3 count
     assert_close(loss, torch.tensor((-2.2 + 0.5 - 20.0855369) / 3))
     assert_close(stats["behav_imp_weight_mean"], torch.tensor((2 + 0.5 + 20.0855369) / 3))
+
+
+def test_decoupled_loss_with_prox_equal_to_old_is_standard_ppo():
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(3, 5, generator=g)
+    logp = (old + 0.3 * torch.randn(3, 5, generator=g)).requires_grad_()
+    adv = torch.randn(3, 5, generator=g)
+    mask = (torch.rand(3, 5, generator=g) > 0.3).float()
+    for aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        plain, _ = ppo_actor_loss(logp, old, adv, mask, c_clip=3.0, aggregation=aggregation)
+        (g_plain,) = torch.autograd.grad(plain, logp)
+        decoupled, stats = ppo_actor_loss(
+            logp, old, adv, mask, c_clip=3.0, aggregation=aggregation, prox_logp=old, behav_imp_weight_cap=2.0
+        )
+        (g_dec,) = torch.autograd.grad(decoupled, logp)
+        assert_close(decoupled, plain)
+        assert_close(g_dec, g_plain)
+        assert_close(stats["behav_imp_weight_mean"], torch.tensor(1.0))
+        assert_close(stats["behav_imp_weight_capped_frac"], torch.tensor(0.0))
 
 
 def test_ppo_actor_loss_seq_mean_aggregation():

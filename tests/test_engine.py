@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_module
 
 from arealcli.runtime.backends.hf import HFBackend
-from arealcli.runtime.backends.train_batch import accumulate_gradients
+from arealcli.runtime.engines.train import TrainEngine
 from arealcli.runtime.data import SequenceSample
 from arealcli.runtime.interfaces.sft import num_answer_tokens, sft_loss
 from arealcli.runtime.model import FinetuneSpec, Model
@@ -165,6 +165,16 @@ class BigramLM(torch.nn.Module):
         return self.out(torch.tanh(self.emb(mb.data["packed_input_ids"])))
 
 
+class PlainEngine(TrainEngine):
+    """The shared training-engine code over a plain module (no optimizer: the test reads the grads)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def run_microbatch(self, mb: SequenceSample) -> torch.Tensor:
+        return self.module(mb)
+
+
 def rank_batches() -> list[SequenceSample]:
     """Rank 0 holds many answer tokens, rank 1 few: "global" and "dp" then differ."""
     return [sft_batch(4, seed=10, vocab=20, max_answer=12), sft_batch(2, seed=11, vocab=20, max_answer=2)]
@@ -179,23 +189,14 @@ def _dist_worker(rank: int, world: int, port: int, out: str) -> None:
     results = {}
     for scope in ("global", "dp"):
         for n_mbs in (1, 2):
-            for averaged in (True, False):
-                module = BigramLM()
-                accumulate_gradients(
-                    module,
-                    batch,
-                    MicroBatchSpec(n_mbs=n_mbs),
-                    sft_loss,
-                    num_answer_tokens,
-                    scope,
-                    "cpu",
-                    grads_averaged_over_dp=averaged,
-                )
-                for p in module.parameters():
-                    dist.all_reduce(p.grad)  # sum over ranks
-                    if averaged:
-                        p.grad /= world  # DDP's average
-                results[f"{scope}-{n_mbs}-{averaged}"] = {n: p.grad for n, p in module.named_parameters()}
+            module = BigramLM()
+            PlainEngine(module).accumulate_gradients(
+                batch, MicroBatchSpec(n_mbs=n_mbs), sft_loss, num_answer_tokens, scope
+            )
+            for p in module.parameters():
+                dist.all_reduce(p.grad)  # sum over ranks
+                p.grad /= world  # the average every backend takes (DDP, FSDP, replicated hf)
+            results[f"{scope}-{n_mbs}"] = {n: p.grad for n, p in module.named_parameters()}
     if rank == 0:
         torch.save(results, out)
     dist.barrier()
@@ -264,8 +265,8 @@ def test_global_vs_dp_normalization_on_two_gloo_ranks(tmp_path):
 
     # "global" on two ranks == one process holding the whole batch.
     module = BigramLM()
-    accumulate_gradients(
-        module, SequenceSample.gather(batches), MicroBatchSpec(), sft_loss, num_answer_tokens, "global", "cpu"
+    PlainEngine(module).accumulate_gradients(
+        SequenceSample.gather(batches), MicroBatchSpec(), sft_loss, num_answer_tokens, "global"
     )
     for name, p in module.named_parameters():
         torch.testing.assert_close(p.grad, expected["global"][name], atol=1e-6, rtol=1e-5)

@@ -22,7 +22,39 @@ class GenerationResult:
     output_ids: list[list[int]]
     logprobs: list[list[float]]
     no_eos: list[bool]
-    versions: list[int] | None = None  # policy version that generated each sample (servers report it)
+    # policy versions that generated each sample: the first and the last (they differ when a weight
+    # update interrupted the sample and it was continued on the new weights); None = the model's own
+    versions: list[int] | None = None
+    last_versions: list[int] | None = None
+
+    @staticmethod
+    def concat(parts: list[GenerationResult]) -> GenerationResult:
+        def cat(name: str) -> list | None:
+            if any(getattr(p, name) is None for p in parts):
+                return None
+            return [x for p in parts for x in getattr(p, name)]
+
+        return GenerationResult(
+            cat("output_ids") or [],
+            cat("logprobs") or [],
+            cat("no_eos") or [],
+            cat("versions"),
+            cat("last_versions"),
+        )
+
+    def reordered(self, order: list[int]) -> GenerationResult:
+        """Sample `order[i]` of this result becomes sample i."""
+
+        def pick(xs: list | None) -> list | None:
+            return None if xs is None else [xs[i] for i in order]
+
+        return GenerationResult(
+            pick(self.output_ids),
+            pick(self.logprobs),
+            pick(self.no_eos),
+            pick(self.versions),
+            pick(self.last_versions),
+        )
 
 
 def process_logits(logits: torch.Tensor, g: GenerationHyperparameters) -> torch.Tensor:

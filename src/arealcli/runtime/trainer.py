@@ -26,9 +26,10 @@ from arealcli.runtime.datasets import Batches
 from arealcli.runtime.metrics import JSONLSink, MetricLogger, tensorboard_sink
 from arealcli.runtime.model import FinetuneSpec, Model, build_module
 from arealcli.runtime.registry import make_backend, make_dataset, make_interface
+from arealcli.runtime.rollout import RolloutProducer
 from arealcli.runtime.tokenizer import load_tokenizer
 from arealcli.runtime.weight_sync import WeightSync
-from arealcli.schema.recipe import Recipe
+from arealcli.schema.recipe import Recipe, on_rollout_side
 
 
 def model_build_order(recipe: Recipe) -> list[str]:
@@ -137,6 +138,13 @@ class Trainer:
         # models with `weights_from` start from their source's current (possibly resumed) weights
         self.weight_sync = WeightSync(r, self.models, self.tokenizer, self.run_dir)
         self.weight_sync.sync()
+        self.producer: RolloutProducer | None = None
+        self.train_calls = self.calls
+        if r.rollout is not None:  # asynchronous: the rollout side runs ahead on its own threads
+            self.producer = RolloutProducer(
+                self.calls, self.data_batch, r.rollout.max_staleness, self.global_step, self.total_steps
+            )
+            self.train_calls = [c for c in self.calls if not on_rollout_side(c.spec)]
         if self.rank == 0 and not (self.resume and (self.run_dir / "recipe.yaml").exists()):
             write_resolved_recipe(r, self.run_dir)  # once setup worked: a failed start leaves no record
 
@@ -149,6 +157,8 @@ class Trainer:
     def train(self) -> dict[str, float]:
         t = self.recipe.trainer
         last: dict[str, float] = {}
+        if self.producer is not None:
+            self.producer.start_producing()
         if t.eval_at_start and self.global_step == 0 and self.eval_batches is not None:
             last.update(self.evaluate())
             self.logger.log(0, last)
@@ -157,9 +167,13 @@ class Trainer:
             for m in self.models.values():
                 m.version.epoch, m.version.epoch_step = epoch, epoch_step
             t0 = time.perf_counter()
-            local = distributed.dp_slice(self.batches.batch(epoch, epoch_step))
             before = self.weight_sync.versions()
-            batch, stats = run_calls(self.calls, local, self.global_step)
+            if self.producer is not None and self.producer.needed(self.global_step):
+                batch, stats = self.producer.take(self.global_step)  # generated ahead, within the bound
+                batch, train_stats = run_calls(self.train_calls, batch, self.global_step)
+                stats.update(train_stats)
+            else:
+                batch, stats = run_calls(self.calls, self.data_batch(self.global_step), self.global_step)
             stats.update(self.weight_sync.sync(before))  # followers get the new weights before generating
             self.global_step += 1
             if t.samples_every_n_steps and self.global_step % t.samples_every_n_steps == 0:
@@ -183,9 +197,16 @@ class Trainer:
             last = stats
             if t.save_every_n_steps and self.global_step % t.save_every_n_steps == 0:
                 self.save()
+            if self.producer is not None:
+                self.producer.publish(self.global_step)  # the next batches may start generating
         if self.saved_step != self.global_step:
             self.save()
         return last
+
+    def data_batch(self, step: int):
+        """This rank's slice of the dataset batch of `step` (a pure function of the step)."""
+        epoch, epoch_step = divmod(step, self.batches.steps_per_epoch)
+        return distributed.dp_slice(self.batches.batch(epoch, epoch_step))
 
     def evaluate(self) -> dict[str, float]:
         """Every train call's interface on the held-out batches, each rank on its slice of them."""
@@ -241,6 +262,8 @@ class Trainer:
         return next(c for c in self.calls if c.spec.type == "train_step" and c.spec.model == model_name)
 
     def close(self) -> None:
+        if getattr(self, "producer", None) is not None:
+            self.producer.stop()  # before the engines it generates on go away
         if hasattr(self, "logger"):
             self.logger.close()
         for model in getattr(self, "models", {}).values():

@@ -10,6 +10,7 @@ from arealcli.schema.base import NoArgs
 from arealcli.schema.components.backends import (
     FSDPBackendArgs,
     HFBackendArgs,
+    LocalBackendArgs,
     MegatronBackendArgs,
     SGLangBackendArgs,
     VLLMBackendArgs,
@@ -59,23 +60,22 @@ for _name, _fn, _doc in [
 ]:
     REWARDS.add(Entry(_name, f"{_R}.rewards.builtin:{_fn}", NoArgs, _doc, "builtin"))
 
-BACKENDS.add(Entry("hf", f"{_R}.backends.hf:HFBackend", HFBackendArgs, HFBackendArgs.__doc__, "builtin"))
-BACKENDS.add(
-    Entry(
-        "sglang",
-        f"{_R}.backends.sglang:SGLangBackend",
-        SGLangBackendArgs,
-        SGLangBackendArgs.__doc__,
-        "builtin",
-    )
-)
-BACKENDS.add(
-    Entry("vllm", f"{_R}.backends.vllm:VLLMBackend", VLLMBackendArgs, VLLMBackendArgs.__doc__, "builtin")
-)
-BACKENDS.add(Entry("megatron", f"{_R}.backends.megatron.backend:MegatronBackend", MegatronBackendArgs, MegatronBackendArgs.__doc__, "builtin"))  # fmt: skip  # noqa: E501
-BACKENDS.add(
-    Entry("fsdp", f"{_R}.backends.fsdp:FSDPBackend", FSDPBackendArgs, FSDPBackendArgs.__doc__, "builtin")
-)
+TRAINING = frozenset({"train", "forward", "generate"})
+GENERATION = frozenset({"generate", "update_weights"})
+for _name, _target, _args, _caps in [
+    ("hf", "backends.hf:HFBackend", HFBackendArgs, TRAINING | {"update_weights"}),
+    ("fsdp", "backends.fsdp:FSDPBackend", FSDPBackendArgs, TRAINING),
+    (
+        "megatron",
+        "backends.megatron.backend:MegatronBackend",
+        MegatronBackendArgs,
+        TRAINING | {"update_weights"},
+    ),
+    ("local", "backends.local:LocalBackend", LocalBackendArgs, GENERATION),
+    ("sglang", "backends.sglang:SGLangBackend", SGLangBackendArgs, GENERATION),
+    ("vllm", "backends.vllm:VLLMBackend", VLLMBackendArgs, GENERATION),
+]:
+    BACKENDS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__, "builtin", capabilities=_caps))
 
 PROMPT_ANSWER_KEYS = frozenset({"packed_input_ids", "prompt_mask", "packed_prompts", "prompt", "answers"})
 DATASETS.add(

@@ -6,7 +6,7 @@ read here, which then take their neutral value.
 
 from __future__ import annotations
 
-from arealcli.schema.recipe import Recipe
+from arealcli.schema.recipe import Recipe, on_rollout_side
 
 
 def samples_per_step(recipe: Recipe) -> tuple[int, int]:
@@ -32,6 +32,17 @@ def _minibatches(call) -> tuple[int, int]:
 def plan_lines(recipe: Recipe) -> list[str]:
     prompts, n = samples_per_step(recipe)
     lines = [f"batch: {prompts} prompts x {n} samples = {prompts * n} sequences per step"]
+    if recipe.rollout is None:
+        lines.append("rollout: synchronous (every call in order, every step)")
+    else:
+        rollout = [c.name for c in recipe.dataflow.calls if on_rollout_side(c)]
+        training = [c.name for c in recipe.dataflow.calls if not on_rollout_side(c)]
+        lines.append(
+            f"rollout: asynchronous, max_staleness {recipe.rollout.max_staleness} (a batch trains at most "
+            f"{recipe.rollout.max_staleness} policy version(s) after the one that started generating it); "
+            f"rollout side, ahead on a background thread: {', '.join(rollout)}; "
+            f"training side: {', '.join(training) or '-'}"
+        )
     for call in recipe.dataflow.calls:
         if call.type != "train_step":
             continue

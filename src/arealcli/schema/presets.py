@@ -10,8 +10,9 @@
       sft_warmup_steps: 0        # SFT on the actor's dataset answers before RL starts
 
 Models are taken by name: `actor` (trained), `ref` (optional: enables the reference KL), `critic`
-(ppo), `actor_gen` (optional: generates instead of `actor`, e.g. on SGLang servers with
-`weights_from: actor`). Expansion works on raw recipe data, before validation, and keeps source
+(ppo), `actor_gen` (optional: generates instead of `actor`, e.g. on SGLang servers or the `local`
+backend with `weights_from: actor`). With `actor: {use_decoupled_loss: true}` an `actor_prox` call
+recomputes the log-probs with the current policy before the update (decoupled PPO). Expansion works on raw recipe data, before validation, and keeps source
 positions so that an error in `actor:` points at that line.
 """
 
@@ -126,6 +127,23 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
             )
         )
         train_inputs.append("packed_ref_logprobs")
+    if actor.get("use_decoupled_loss") is True:  # proximal log-probs: the current policy, before the update
+        origin[len(calls)] = "actor"
+        calls.append(
+            _call(
+                "actor_prox",
+                "actor",
+                "ppo_actor",
+                actor,
+                "inference",
+                ["packed_input_ids"],
+                ["packed_prox_logprobs"],
+                mb,
+                output_key_remap={"packed_logprobs": "packed_prox_logprobs"},
+                **rl,
+            )
+        )
+        train_inputs.append("packed_prox_logprobs")
     critic = {**(df.get("critic") or {}), **({"shaping": shaping} if shaping else {})}
     if preset == "ppo":
         origin[len(calls)] = "critic"

@@ -118,6 +118,11 @@ class CallSpec(StrictModel):
     )
 
 
+def on_rollout_side(call: CallSpec) -> bool:
+    """Generate calls and weightless inference calls (rewards) make rollouts; the rest trains."""
+    return call.type == "generate" or (call.type == "inference" and call.model is None)
+
+
 class DataflowSpec(StrictModel):
     """The algorithm as a graph of model calls; edges follow from input/output keys.
 
@@ -154,6 +159,21 @@ class TrainerSpec(StrictModel):
     )
 
 
+class RolloutSpec(StrictModel):
+    """Asynchronous RL: generation (and rewards) run ahead of training, on a generation model.
+
+    The rollout side (generate calls, and the weightless inference calls such as rewards) produces
+    step batches on a background thread into a bounded buffer; the training side (inference and
+    train_step calls on trained models) takes them in order. The batch of step s may start generating
+    once the weights after step s - K are published, so no sample trains more than K versions after the
+    policy that started it. K = 0 is synchronous RL (same results as without this section).
+    """
+
+    max_staleness: NonNegativeInt = Field(
+        le=1000, description="K: policy versions a batch may lag behind the trainer (0 = synchronous)."
+    )
+
+
 class Recipe(StrictModel):
     """A whole training recipe."""
 
@@ -171,6 +191,9 @@ class Recipe(StrictModel):
     eval_dataset: DatasetSpec | None = Field(None, description="Held-out data for evaluation.")
     dataflow: DataflowSpec = Field(description="The algorithm's model calls.")
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Loop settings.")
+    rollout: RolloutSpec | None = Field(
+        None, description="Asynchronous rollout (generation ahead of training); absent = synchronous."
+    )
 
     @model_validator(mode="after")
     def _tokenizer_known(self) -> Recipe:

@@ -19,6 +19,9 @@ from pydantic import BaseModel
 from arealcli.schema.base import NoArgs
 
 CALL_TYPES = ("generate", "inference", "train_step")
+# What a backend's engine can do; a call type needs one of them, `weights_from` needs update_weights.
+BACKEND_CAPABILITIES = ("train", "forward", "generate", "update_weights")
+NEEDED_CAPABILITY = {"train_step": "train", "inference": "forward", "generate": "generate"}
 
 
 class RegistryError(Exception):
@@ -37,6 +40,8 @@ class Entry:
     needs_model: bool = True
     # Datasets only: the data keys every batch provides (tensor keys and meta keys).
     data_keys: frozenset[str] = field(default_factory=frozenset)
+    # Backends only: what their engine can do (BACKEND_CAPABILITIES).
+    capabilities: frozenset[str] = frozenset(BACKEND_CAPABILITIES)
 
     def load(self) -> Any:
         if isinstance(self.target, str):
@@ -131,8 +136,15 @@ def register_interface(name: str, cls: type, *, needs_model: bool | None = None)
 
 
 def register_backend(name: str, cls: type) -> type:
-    """Register a ModelBackend subclass; its `Args` validates recipe args."""
-    BACKENDS.add(Entry(name, cls, _args_model_of(cls), _doc_line(cls), cls.__module__))
+    """Register a ModelBackend subclass; its `Args` validates recipe args, its `capabilities` say which
+    calls its models can run."""
+    caps = frozenset(getattr(cls, "capabilities", BACKEND_CAPABILITIES))
+    unknown = sorted(caps - set(BACKEND_CAPABILITIES))
+    if unknown:
+        raise RegistryError(
+            f"backend {name!r} declares unknown capabilities {unknown}; known: {BACKEND_CAPABILITIES}"
+        )
+    BACKENDS.add(Entry(name, cls, _args_model_of(cls), _doc_line(cls), cls.__module__, capabilities=caps))
     return cls
 
 

@@ -16,11 +16,12 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from arealcli.schema import plan, presets
-from arealcli.schema.recipe import DataflowSpec, ModelSpec, Recipe
+from arealcli.schema.recipe import DataflowSpec, ModelSpec, Recipe, on_rollout_side
 from arealcli.schema.registry import (
     BACKENDS,
     DATASETS,
     INTERFACES,
+    NEEDED_CAPABILITY,
     Registry,
     RegistryError,
     import_plugins,
@@ -318,9 +319,113 @@ def _check_graph(data: dict, typed: Typed) -> list[Problem]:
                     "its training; drop weights_from or the train_step call",
                 )
             )
+    problems.extend(_check_capabilities(calls, models, trained))
+    if data.get("rollout") is not None:
+        problems.extend(_check_rollout(calls, models, trained, dataset_keys))
     trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else {}
     if trainer.get("eval_every_n_steps") is not None and data.get("eval_dataset") is None:
         problems.append(Problem(("trainer", "eval_every_n_steps"), "evaluation needs an `eval_dataset`"))
+    return problems
+
+
+def _capabilities(spec: ModelSpec) -> frozenset[str] | None:
+    try:
+        return BACKENDS.get(spec.backend.type_).capabilities
+    except RegistryError:
+        return None  # reported by the args pass
+
+
+_CAN = {"train": "train", "forward": "run forward passes (log-probs, values)", "generate": "generate"}
+
+
+def _check_capabilities(calls: list, models: dict[str, ModelSpec], trained: set[str]) -> list[Problem]:
+    """Every call's model runs on a backend that can do the call; every follower can load weights."""
+    problems = []
+    for i, call in enumerate(calls):
+        spec = models.get(call.model) if call.model is not None else None
+        caps = _capabilities(spec) if spec is not None else None
+        need = NEEDED_CAPABILITY[call.type]
+        if caps is not None and need not in caps:
+            fix = (
+                "train a model on hf, fsdp or megatron and let this one follow it (`weights_from`)"
+                if need == "train"
+                else "run the call on a model with an in-process backend (hf, fsdp, megatron)"
+            )
+            problems.append(
+                Problem(
+                    ("dataflow", "calls", i, "type"),
+                    f"call {call.name!r} is a {call.type} on model {call.model!r}, whose backend "
+                    f"{spec.backend.type_!r} cannot {_CAN[need]} (it can: {', '.join(sorted(caps))}); {fix}",
+                    call.type,
+                )
+            )
+    for name, spec in models.items():
+        caps = _capabilities(spec)
+        if spec.weights_from is not None and caps is not None and "update_weights" not in caps:
+            problems.append(
+                Problem(
+                    ("models", name, "backend", "type_"),
+                    f"model {name!r} follows {spec.weights_from!r} (`weights_from`) but its backend "
+                    f"{spec.backend.type_!r} cannot load new weights in place; use hf, local, sglang or vllm",
+                    spec.backend.type_,
+                )
+            )
+    return problems
+
+
+def _check_rollout(
+    calls: list, models: dict[str, ModelSpec], trained: set[str], dataset_keys: frozenset[str] | None
+) -> list[Problem]:
+    """Asynchronous rollout needs a generation model that follows a trained one on an inference backend,
+    and rollout-side calls that need nothing from the training side."""
+    problems = []
+    where = ("rollout",)
+    generators = [c for c in calls if c.type == "generate"]
+    if not generators:
+        return [
+            Problem(where, "a rollout section needs a generate call (the rollout side has nothing to do)")
+        ]
+    for c in generators:
+        spec = models.get(c.model) if c.model is not None else None
+        if spec is None:
+            continue  # a missing model is reported where the call names it
+        caps = _capabilities(spec) or frozenset()
+        if c.model in trained or spec.weights_from is None or "train" in caps:
+            problems.append(
+                Problem(
+                    where,
+                    f"asynchronous rollout generates on a generation model: call {c.name!r} runs on "
+                    f"{c.model!r}, which "
+                    + (
+                        "is trained itself"
+                        if c.model in trained
+                        else "follows no trained model (`weights_from`)"
+                        if spec.weights_from is None
+                        else f"runs on the training backend {spec.backend.type_!r}"
+                    )
+                    + ". Add a model `actor_gen: {init_from: actor, weights_from: actor, backend: {type_: local}}`"
+                    " (or sglang / vllm); the presets generate on it",
+                )
+            )
+    produced = {c.name: set(c.outputs) for c in calls if on_rollout_side(c)}
+    available = set(dataset_keys or ())
+    for i, c in enumerate(calls):
+        if not on_rollout_side(c):
+            continue
+        for j, key in enumerate(c.inputs):
+            if (
+                dataset_keys is not None
+                and key not in available
+                and not any(key in v for v in produced.values())
+            ):
+                problems.append(
+                    Problem(
+                        ("dataflow", "calls", i, "inputs", j),
+                        f"call {c.name!r} runs on the rollout side (ahead of training) but needs {key!r}, "
+                        "which only the training side produces",
+                        key,
+                    )
+                )
     return problems
 
 

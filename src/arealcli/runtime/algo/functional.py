@@ -278,6 +278,7 @@ def ppo_actor_loss(
     behav_imp_weight_cap: float | None = None,
     aggregation: str = "token-mean",
     max_len: int | None = None,
+    behav_imp_weight_mode: str = "mask",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped PPO policy loss, with DAPO clip-higher, dual clip and AReaL's decoupled objective.
 
@@ -285,16 +286,25 @@ def ppo_actor_loss(
     ratio = exp(logp - denom)
     L     = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_higher))   [higher = eps_clip]
     dual clip (c_clip > 1), for A < 0:  L = min(L, c_clip * |A|)
-    decoupled: w = exp(prox_logp - old_logp) (no grad); tokens with w > behav_imp_weight_cap are
-               dropped from the mask; L = L * w
+    decoupled: w = exp(prox_logp - old_logp) (no grad, the behaviour importance weight); L = L * w.
+               With behav_imp_weight_cap C: mode "mask" sets L = 0 where w > C, mode "truncate" uses
+               min(w, C). Either way those tokens STAY in the denominator (dividing by the kept tokens
+               only would inflate the gradient by N / N_kept).
     loss  = aggregate_loss(L, mask, aggregation, max_len)
+
+    With prox_logp recomputed by the trainer under the very weights that generated (staleness 0), w is
+    the ratio between the trainer's and the generation engine's probabilities of the same policy: the
+    cap then corrects their numeric mismatch (truncated importance sampling).
 
     stats (detached scalars over the tokens that count for the loss):
       approx_kl      0.5 * mean((logp - denom)^2)   (the k2 estimator: >= 0, low variance)
       clip_frac      fraction of tokens where the clipped term is the larger one (its gradient is 0)
       dual_clip_frac fraction of tokens capped by the dual clip
-      ratio_mean, ratio_max, and behav_imp_weight_mean when decoupled.
+      ratio_mean, ratio_max (over the tokens that are not capped away), and when decoupled
+      behav_imp_weight_mean / _max and behav_imp_weight_capped_frac over every counted token.
     """
+    if behav_imp_weight_mode not in ("mask", "truncate"):
+        raise ValueError(f"behav_imp_weight_mode must be 'mask' or 'truncate', got {behav_imp_weight_mode!r}")
     if c_clip is not None and c_clip <= 1:
         raise ValueError(f"c_clip must be > 1 for dual-clip PPO (got {c_clip}); use None to disable it")
     eps_high = eps_clip if eps_clip_higher is None else eps_clip_higher
@@ -317,20 +327,29 @@ def ppo_actor_loss(
         loss = torch.where(dual_clipped, cap, loss)
 
     stats: dict[str, Tensor] = {}
+    counted = valid  # (B, T) tokens whose loss is not capped away (for the ratio statistics)
     if prox_logp is not None:
-        behav_weight = torch.exp(denom - old_logp)  # (B, T) w = pi_prox / pi_behav, no grad
+        behav_weight = torch.exp((denom - old_logp).clamp(max=20.0))  # (B, T) w = pi_prox / pi_behav
+        weight = behav_weight
         if behav_imp_weight_cap is not None:
-            valid = valid & (behav_weight <= behav_imp_weight_cap)
-        loss = loss * behav_weight
+            over = behav_weight > behav_imp_weight_cap  # (B, T)
+            if behav_imp_weight_mode == "mask":
+                weight = torch.where(over, torch.zeros_like(weight), weight)
+                counted = valid & ~over
+            else:
+                weight = weight.clamp(max=behav_imp_weight_cap)
+            stats["behav_imp_weight_capped_frac"] = masked_mean(over.float(), valid)
+        loss = loss * weight
         stats["behav_imp_weight_mean"] = masked_mean(behav_weight, valid)
+        stats["behav_imp_weight_max"] = torch.where(valid, behav_weight, 0.0).max()
 
-    total = aggregate_loss(loss, valid, aggregation, max_len)
+    total = aggregate_loss(loss, valid, aggregation, max_len)  # every valid token in the denominator
     with torch.no_grad():
-        stats["approx_kl"] = 0.5 * masked_mean(log_ratio.detach() ** 2, valid)
-        stats["clip_frac"] = masked_mean(clipped.float(), valid)
-        stats["dual_clip_frac"] = masked_mean(dual_clipped.float(), valid)
-        stats["ratio_mean"] = masked_mean(ratio.detach(), valid)
-        stats["ratio_max"] = torch.where(valid, ratio.detach(), 0.0).max()  # ratio > 0; 0 if none valid
+        stats["approx_kl"] = 0.5 * masked_mean(log_ratio.detach() ** 2, counted)
+        stats["clip_frac"] = masked_mean(clipped.float(), counted)
+        stats["dual_clip_frac"] = masked_mean(dual_clipped.float(), counted)
+        stats["ratio_mean"] = masked_mean(ratio.detach(), counted)
+        stats["ratio_max"] = torch.where(counted, ratio.detach(), 0.0).max()  # ratio > 0; 0 if none
     return total, {k: v.detach() for k, v in stats.items()}
 
 

@@ -6,7 +6,7 @@ forward and backward (all-gather, then reduce-scatter of its gradients).
 
 Collectives must match across ranks, so:
 - training and `forward` run the same number of passes on every rank: the maximum micro-batch count
-  over ranks, with zero-weight padding passes where a rank has fewer (`accumulate_gradients`);
+  over ranks, with zero-weight padding passes where a rank has fewer (`run_microbatches`);
 - `generate` all-gathers every unit once (`unshard()`), decodes the rank's own slice with the full
   weights and no further collectives (ranks may take different numbers of decoding steps), then
   reshards. The price is one full copy of the weights per rank while generating.
@@ -22,21 +22,19 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from arealcli.runtime import distributed, generation
-from arealcli.runtime.backends.base import LossFn, LossWeightFn, ModelBackend
+from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.backends.hf import run_packed
-from arealcli.runtime.backends.train_batch import accumulate_gradients, clip_and_step
 from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.engines.train import TrainEngine, clip_and_step
 from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
 from arealcli.runtime.optim import begin_step, build_optimizer
 from arealcli.schema.components.backends import FSDPBackendArgs
-from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
+from arealcli.schema.components.engine import GenerationHyperparameters, OptimizerConfig
 
 _own_process_group = False  # True when this backend created a world of one itself
 
@@ -77,7 +75,7 @@ def write_hf_checkpoint(module: torch.nn.Module, architecture: str, state: dict,
     save_file(tensors, os.path.join(save_dir, "model.safetensors"), metadata={"format": "pt"})
 
 
-class FSDPEngine:
+class FSDPEngine(TrainEngine):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -95,7 +93,10 @@ class FSDPEngine:
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]  # same order everywhere
         self.reshard_after_forward = reshard_after_forward
 
-    def _run(self, mb: SequenceSample) -> torch.Tensor:
+    def eval_mode(self) -> None:
+        self.module.eval()
+
+    def run_microbatch(self, mb: SequenceSample) -> torch.Tensor:
         return run_packed(self.module, mb, self.device)
 
     def _pad_run(self) -> torch.Tensor:
@@ -104,84 +105,33 @@ class FSDPEngine:
         out = self.module(input_ids=ids, attention_mask=torch.ones_like(ids))
         return out.logits if hasattr(out, "logits") else out
 
-    def _n_passes(self, n_local: int) -> int:
-        return int(distributed.all_reduce([n_local], op="max")[0])
+    def run_microbatches(self, mbs, on_output, backward: bool) -> None:
+        """Every rank runs as many passes as the rank with the most micro-batches: each pass all-gathers
+        parameters (and reduce-scatters gradients), so a rank with fewer pads with a zero-weight pass."""
+        n_passes = int(self.all_reduce([len(mbs)], op="max")[0])
+        for i in range(n_passes):
+            with torch.set_grad_enabled(backward):
+                if i < len(mbs):
+                    loss = on_output(mbs[i], self.run_microbatch(mbs[i]))
+                else:
+                    out = self._pad_run()
+                    loss = out.float().sum() * 0.0 if backward else None
+            if backward and loss is not None:
+                loss.backward()
 
-    def train_batch(
-        self,
-        input_: SequenceSample,
-        mb_spec: MicroBatchSpec,
-        loss_fn: LossFn,
-        loss_weight_fn: LossWeightFn,
-        version_steps: int,
-        token_normalize_scope: str = "global",
-        lr_scale: float = 1.0,
-    ) -> dict[str, float]:
+    def begin_train_step(self, version_steps: int, lr_scale: float) -> float:
         lr = begin_step(self.optimizer, self.optimizer_cfg, self.total_train_steps, version_steps, lr_scale)
         self.module.train()
-        # FSDP reduce-scatters gradients as an average over ranks (grads_averaged_over_dp).
-        stats = accumulate_gradients(
-            self._run,
-            input_,
-            mb_spec,
-            loss_fn,
-            loss_weight_fn,
-            token_normalize_scope,
-            self.device,
-            pad_run=self._pad_run,
-        )
-        stats["grad_norm"] = clip_and_step(
-            self.module.parameters(), self.optimizer, self.optimizer_cfg.gradient_clipping
-        )
-        stats["lr"] = lr
-        return stats
+        return lr
 
-    @torch.no_grad()
-    def eval_batch(
-        self, input_: SequenceSample, mb_spec: MicroBatchSpec, loss_fn: LossFn
-    ) -> dict[str, float]:
-        """Loss and stats averaged per sample over every rank's samples."""
-        self.module.eval()
-        mbs = input_.split(mb_spec)[0]
-        sums: dict[str, float] = {}
-        for i in range(self._n_passes(len(mbs))):
-            if i >= len(mbs):
-                self._pad_run()
-                continue
-            loss, mb_stats = loss_fn(self._run(mbs[i]), mbs[i])
-            for k, v in {"loss": loss, **mb_stats}.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * mbs[i].bs
-        keys = sorted(set().union(*distributed.all_gather_object(sorted(sums))))
-        totals = distributed.all_reduce([sums.get(k, 0.0) for k in keys] + [float(input_.bs)])
-        return {k: v / max(totals[-1], 1.0) for k, v in zip(keys, totals, strict=False)}
-
-    @torch.no_grad()
-    def forward(
-        self,
-        input_: SequenceSample,
-        mb_spec: MicroBatchSpec,
-        post_hook: Callable[[torch.Tensor, SequenceSample], Any] | None = None,
-        aggregate_fn: Callable[[list[Any]], Any] = torch.cat,
-    ) -> Any:
-        """Like the hf engine's forward; every rank runs the same number of passes."""
-        self.module.eval()
-        mbs, _, backward = input_.split(mb_spec)
-        per_sample: list[Any] = []
-        for i in range(self._n_passes(len(mbs))):
-            if i >= len(mbs):
-                self._pad_run()
-                continue
-            out = self._run(mbs[i])
-            res = post_hook(out, mbs[i]) if post_hook is not None else out
-            if isinstance(res, torch.Tensor):
-                res = list(torch.split(res, mbs[i].seqlens["packed_input_ids"]))
-            per_sample.extend(res)
-        return aggregate_fn([per_sample[i] for i in backward])
+    def finish_train_step(self, stepped: bool) -> float:
+        # FSDP reduce-scattered the gradients as an average over ranks during backward
+        return clip_and_step(self.module.parameters(), self.optimizer, self.optimizer_cfg.gradient_clipping)
 
     @contextlib.contextmanager
-    def _gathered(self):
+    def generation_context(self):
         """Every unit unsharded (one all-gather each, in the same order on every rank) and kept so:
-        the forwards inside run without collectives."""
+        the forwards inside run without collectives, and ranks may decode for different lengths."""
         for unit in self.units:
             unit.unshard()
         layers = [u for u in self.units if u is not self.module]  # the root never reshards after forward
@@ -195,33 +145,8 @@ class FSDPEngine:
             for unit in self.units:
                 unit.reshard()
 
-    @torch.no_grad()
-    def generate(
-        self, input_: SequenceSample, mb_spec: MicroBatchSpec, tokenizer, gconfig: GenerationHyperparameters
-    ) -> generation.GenerationResult:
-        """Sample this rank's prompts with the full (gathered) weights; one result per prompt."""
-        self.module.eval()
-        mbs, _, backward = input_.split(mb_spec)
-        parts = []
-        with self._gathered():
-            for mb in mbs:
-                prompts = [t.tolist() for t in mb.unpack("packed_prompts")]
-                parts.append(
-                    generation.generate(
-                        self.module,
-                        prompts,
-                        gconfig,
-                        {tokenizer.eos_token_id},
-                        tokenizer.pad_token_id,
-                        self.device,
-                    )
-                )
-        ids = [x for p in parts for x in p.output_ids]
-        lps = [x for p in parts for x in p.logprobs]
-        no_eos = [x for p in parts for x in p.no_eos]
-        return generation.GenerationResult(
-            [ids[i] for i in backward], [lps[i] for i in backward], [no_eos[i] for i in backward]
-        )
+    def generate_prompts(self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int):
+        return generation.generate(self.module, prompts, g, eos_ids, pad_id, self.device)
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
         """Collective: every rank sends its shards; rank 0 writes the HF directory."""

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from arealcli.runtime import distributed, generation
-from arealcli.runtime.backends.base import LossFn, LossWeightFn, ModelBackend
-from arealcli.runtime.backends.train_batch import accumulate_gradients, average_gradients, clip_and_step
+from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.engines.train import TrainEngine, average_gradients, clip_and_step
 from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
 from arealcli.runtime.optim import begin_step, build_optimizer
 from arealcli.schema.components.backends import HFBackendArgs
-from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
+from arealcli.schema.components.engine import GenerationHyperparameters, OptimizerConfig
 
 
 def run_packed(module, mb: SequenceSample, device) -> torch.Tensor:
@@ -38,7 +36,9 @@ def run_packed(module, mb: SequenceSample, device) -> torch.Tensor:
     return out[mask]  # row-major: sample 0's tokens, then sample 1's, ... = the packed order
 
 
-class HFEngine:
+class HFEngine(TrainEngine):
+    """A transformers module in this process; replicas average their gradients over ranks."""
+
     def __init__(
         self,
         module: torch.nn.Module,
@@ -54,110 +54,29 @@ class HFEngine:
         self.total_train_steps = total_train_steps
         self.optimizer = build_optimizer(module.parameters(), optimizer_cfg) if optimizer_cfg else None
 
-    def _autocast(self):
+    def autocast(self):
         if self.compute_dtype == torch.float32 or next(self.module.parameters()).dtype == self.compute_dtype:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def _run(self, mb: SequenceSample) -> torch.Tensor:
+    def eval_mode(self) -> None:
+        self.module.eval()
+
+    def run_microbatch(self, mb: SequenceSample) -> torch.Tensor:
         return run_packed(self.module, mb, self.device)
 
-    def train_batch(
-        self,
-        input_: SequenceSample,
-        mb_spec: MicroBatchSpec,
-        loss_fn: LossFn,
-        loss_weight_fn: LossWeightFn,
-        version_steps: int,
-        token_normalize_scope: str = "global",
-        lr_scale: float = 1.0,
-    ) -> dict[str, float]:
+    def begin_train_step(self, version_steps: int, lr_scale: float) -> float:
         lr = begin_step(self.optimizer, self.optimizer_cfg, self.total_train_steps, version_steps, lr_scale)
         self.module.train()
-        stats = accumulate_gradients(
-            self._run,
-            input_,
-            mb_spec,
-            loss_fn,
-            loss_weight_fn,
-            token_normalize_scope,
-            self.device,
-            autocast=self._autocast(),
-        )
+        return lr
+
+    def finish_train_step(self, stepped: bool) -> float:
         average_gradients(self.module.parameters())  # no-op in a single process
-        stats["grad_norm"] = clip_and_step(
-            self.module.parameters(), self.optimizer, self.optimizer_cfg.gradient_clipping
-        )
-        stats["lr"] = lr
-        return stats
+        return clip_and_step(self.module.parameters(), self.optimizer, self.optimizer_cfg.gradient_clipping)
 
-    @torch.no_grad()
-    def eval_batch(
-        self, input_: SequenceSample, mb_spec: MicroBatchSpec, loss_fn: LossFn
-    ) -> dict[str, float]:
-        self.module.eval()
-        total, stats = 0, {}
-        for mb in input_.split(mb_spec)[0]:
-            with self._autocast():
-                loss, mb_stats = loss_fn(self._run(mb), mb)
-            stats["loss"] = stats.get("loss", 0.0) + float(loss) * mb.bs
-            for k, v in mb_stats.items():
-                stats[k] = stats.get(k, 0.0) + float(v) * mb.bs
-            total += mb.bs
-        return {k: v / max(total, 1) for k, v in stats.items()}
-
-    @torch.no_grad()
-    def forward(
-        self,
-        input_: SequenceSample,
-        mb_spec: MicroBatchSpec,
-        post_hook: Callable[[torch.Tensor, SequenceSample], Any] | None = None,
-        aggregate_fn: Callable[[list[Any]], Any] = torch.cat,
-    ) -> Any:
-        """Run every micro-batch; results per sample come back in the input's order.
-
-        `post_hook(outputs, mb)` maps a micro-batch's packed outputs to one tensor per sample (a list)
-        or to a packed tensor split like `packed_input_ids`; without it the outputs themselves are split.
-        """
-        self.module.eval()
-        mbs, _, backward = input_.split(mb_spec)
-        per_sample: list[torch.Tensor] = []
-        for mb in mbs:
-            with self._autocast():
-                out = self._run(mb)
-                res = post_hook(out, mb) if post_hook is not None else out
-            if isinstance(res, torch.Tensor):
-                res = list(torch.split(res, mb.seqlens["packed_input_ids"]))
-            per_sample.extend(res)
-        return aggregate_fn([per_sample[i] for i in backward])
-
-    @torch.no_grad()
-    def generate(
-        self, input_: SequenceSample, mb_spec: MicroBatchSpec, tokenizer, gconfig: GenerationHyperparameters
-    ) -> generation.GenerationResult:
-        """Sample from `packed_prompts`; one result per prompt (repeat prompts for n > 1)."""
-        self.module.eval()
-        mbs, _, backward = input_.split(mb_spec)
-        parts = []
-        for mb in mbs:
-            prompts = [t.tolist() for t in mb.unpack("packed_prompts")]
-            with self._autocast():
-                parts.append(
-                    generation.generate(
-                        self.module,
-                        prompts,
-                        gconfig,
-                        {tokenizer.eos_token_id},
-                        tokenizer.pad_token_id,
-                        self.device,
-                    )
-                )
-        ids = [x for p in parts for x in p.output_ids]
-        lps = [x for p in parts for x in p.logprobs]
-        no_eos = [x for p in parts for x in p.no_eos]
-        return generation.GenerationResult(
-            [ids[i] for i in backward], [lps[i] for i in backward], [no_eos[i] for i in backward]
-        )
+    def generate_prompts(self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int):
+        with self.autocast():
+            return generation.generate(self.module, prompts, g, eos_ids, pad_id, self.device)
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
         if distributed.rank() != 0:  # the replicas are identical: rank 0 writes

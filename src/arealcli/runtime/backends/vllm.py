@@ -17,25 +17,37 @@ import os
 import tempfile
 from pathlib import Path
 
-from arealcli.runtime.backends.sglang import SGLangBackend, SGLangEngine, export_hf
+from arealcli.runtime.backends.sglang import SGLangBackend, export_hf
+from arealcli.runtime.engines.inference import EventLoopThread, InferenceEngine
 from arealcli.runtime.model import FinetuneSpec, Model
 from arealcli.runtime.server import launcher
-from arealcli.runtime.server.client import EventLoopThread
 from arealcli.runtime.server.vllm_client import VLLMClient
 from arealcli.schema.components.backends import VLLMBackendArgs
 
 PYTHON_ENV = "AREALCLI_VLLM_PYTHON"
 
 
-class VLLMEngine(SGLangEngine):
-    """Generates through a VLLMClient (SGLangEngine's prompt grouping and result order)."""
+class VLLMEngine(InferenceEngine):
+    """Generation on vLLM servers; a weight update waits for the requests in flight, then reloads in place
+    (same path on every machine)."""
 
-    def _unsupported(self, what: str):
-        return NotImplementedError(
-            f"model {self.name!r} runs on generation servers (backend vllm), which only generate; "
-            f"{what} needs an in-process backend (hf, fsdp, megatron). To train on this model's samples, "
-            "train another model and set `weights_from` on this one"
+    def __init__(self, client: VLLMClient, loop: EventLoopThread, name: str):
+        super().__init__(client, loop, name)
+        self.client = client
+
+    async def _update_weights(self, path: str, version: int) -> None:
+        weights = Path(path).resolve()
+        # vLLM's engine dies on a reload from a missing or empty directory: refuse before asking it
+        if not weights.is_dir() or not any(weights.glob("*.safetensors")):
+            raise FileNotFoundError(
+                f"no safetensors weights in {weights}: vLLM reloads HF safetensors exports "
+                "(save_pretrained(..., safe_serialization=True))"
+            )
+        config = (
+            json.loads((weights / "config.json").read_text()) if (weights / "config.json").exists() else {}
         )
+        tied = bool(config.get("tie_word_embeddings", False))
+        await self.client.reload_weights(str(weights), version, tied_embeddings=tied)
 
 
 def server_command(args: VLLMBackendArgs, python: str, model_path: str, port: int) -> list[str]:
@@ -120,20 +132,3 @@ class VLLMBackend(SGLangBackend):
         )
         launcher.wait_ready(self.servers, a.startup_timeout_s)
         return [s.address for s in self.servers]
-
-    def update_weights(self, model: Model, path: str, version: int) -> None:
-        """Reload every server's weights from the HF export at `path` (same path on every machine)."""
-        assert self.client is not None and self.loop is not None
-        weights = Path(path).resolve()
-        # vLLM's engine dies on a reload from a missing or empty directory: refuse before asking it
-        if not weights.is_dir() or not any(weights.glob("*.safetensors")):
-            raise FileNotFoundError(
-                f"no safetensors weights in {weights}: vLLM reloads HF safetensors exports "
-                "(save_pretrained(..., safe_serialization=True))"
-            )
-        assert isinstance(self.client, VLLMClient)
-        config = (
-            json.loads((weights / "config.json").read_text()) if (weights / "config.json").exists() else {}
-        )
-        tied = bool(config.get("tie_word_embeddings", False))
-        self.loop.run(self.client.reload_weights(str(weights), version, tied_embeddings=tied))

@@ -47,6 +47,17 @@ def decode_responses(tokenizer, data: SequenceSample) -> tuple[list[str], list[s
     return prompts, responses
 
 
+def version_lag_stats(trainer_version: int, versions: list[int], buckets: int = 8) -> dict[str, float]:
+    """How many policy versions old the samples are: mean, max, and the fraction at each lag
+    (`version_lag_hist/k`; the last bucket counts k or more)."""
+    lags = [trainer_version - v for v in versions]
+    out = {"version_lag": sum(lags) / max(len(lags), 1), "version_lag_max": float(max(lags, default=0))}
+    for k in range(min(buckets, max(lags, default=0) + 1)):
+        n = sum(1 for lag in lags if (lag == k if k < buckets - 1 else lag >= k))
+        out[f"version_lag_hist/{k}"] = n / max(len(lags), 1)
+    return out
+
+
 class PPOActorInterface(ModelInterface):
     """PPO/GRPO actor: generate, recompute log-probs (also the reference model), train with PPO."""
 
@@ -69,7 +80,8 @@ class PPOActorInterface(ModelInterface):
         g = self.args.generation
         rep = data.repeat_interleave(g.n)  # ids (prompt id, j), j < n
         out = model.module.generate(rep, mb_spec, model.tokenizer, g)
-        versions = getattr(out, "versions", None) or [None] * rep.bs  # servers report theirs per sample
+        versions = out.versions or [None] * rep.bs  # inference engines report theirs per sample
+        last_versions = out.last_versions or versions
         seqs, prompt_masks, logprobs, no_eos = [], [], [], []
         for prompt, gen, lp, trunc in zip(
             rep.unpack("packed_prompts"), out.output_ids, out.logprobs, out.no_eos, strict=True
@@ -89,7 +101,12 @@ class PPOActorInterface(ModelInterface):
                 "packed_logprobs": logprobs,
                 "seq_no_eos_mask": no_eos,
             },
-            {"version": [model.version.global_step if v is None else v for v in versions]},
+            {
+                # the policy versions that generated each sample: first and last (a weight update may
+                # interrupt a sample, which then continues on the new weights)
+                "version": [model.version.global_step if v is None else v for v in versions],
+                "version_last": [model.version.global_step if v is None else v for v in last_versions],
+            },
         )
 
     # ------------------------------------------------------------------ inference
@@ -145,7 +162,7 @@ class PPOActorInterface(ModelInterface):
         if r.kl is not None:
             stats["kl_ref"] = float(F.masked_mean(r.kl, r.mask))
         if "version" in data.meta:  # policy versions between the samples' generator and this model
-            stats["version_lag"] = model.version.global_step - sum(data.meta["version"]) / data.bs
+            stats.update(version_lag_stats(model.version.global_step, data.meta["version"]))
 
         keep = torch.ones(data.bs, dtype=torch.bool)
         if a.dynamic_sampling:
@@ -157,7 +174,14 @@ class PPOActorInterface(ModelInterface):
         train.data["loss_mask"] = to_packed(mask.float(), data)
         if "packed_ref_logprobs" in data.data:
             train.data["ref_logp"] = data.data["packed_ref_logprobs"].float()
-        for k in ("advantages", "old_logp", "loss_mask", "ref_logp"):
+        if a.use_decoupled_loss:
+            if "packed_prox_logprobs" not in data.data:
+                raise RuntimeError(
+                    "use_decoupled_loss needs proximal log-probs (packed_prox_logprobs): an inference call on "
+                    "the trained model before this one (the grpo/ppo presets add `actor_prox`)"
+                )
+            train.data["prox_logp"] = data.data["packed_prox_logprobs"].float()
+        for k in ("advantages", "old_logp", "loss_mask", "ref_logp", "prox_logp"):
             if k in train.data:
                 train.seqlens[k] = list(train.seqlens["packed_input_ids"])
         kept = [i for i in range(data.bs) if keep[i]]
@@ -207,6 +231,9 @@ class PPOActorInterface(ModelInterface):
         old, _ = response_view(mb.data["old_logp"].to(logits.device), mb)
         adv, _ = response_view(mb.data["advantages"].to(logits.device), mb)
         mask, _ = response_view(mb.data["loss_mask"].to(logits.device), mb)
+        prox = (
+            response_view(mb.data["prox_logp"].to(logits.device), mb)[0] if "prox_logp" in mb.data else None
+        )
         loss, stats = F.ppo_actor_loss(
             logp,
             old,
@@ -215,6 +242,9 @@ class PPOActorInterface(ModelInterface):
             eps_clip=a.eps_clip,
             eps_clip_higher=a.eps_clip_higher,
             c_clip=a.c_clip,
+            prox_logp=prox,
+            behav_imp_weight_cap=a.behav_imp_weight_cap,
+            behav_imp_weight_mode=a.behav_imp_weight_mode,
             aggregation=a.aggregation,
             max_len=a.generation.max_new_tokens,
         )

@@ -6,7 +6,7 @@
   another server, with exponential backoff when none is left; a read timeout is an error at once. Every
   failure is bounded: never a hang.
 - A sample aborted by a weight update is re-sent with the tokens it generated appended to the prompt and
-  `max_new_tokens` reduced by as many; its output and log-probs are the concatenation.
+  `max_new_tokens` reduced by as many (GroupGenerator); its output and log-probs are the concatenation.
 """
 
 from __future__ import annotations
@@ -15,31 +15,22 @@ import asyncio
 import json
 import logging
 import socket
-import threading
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from arealcli.runtime.engines.inference import (  # noqa: F401  (Sample, EventLoopThread: re-exported)
+    EventLoopThread,
+    GenerationServerError,
+    GroupGenerator,
+    Sample,
+)
 from arealcli.runtime.server.protocol import Completion, generate_payload, parse_completion
 
 logger = logging.getLogger(__name__)
-
-
-class GenerationServerError(RuntimeError):
-    """A generation server failed, or none could be reached; the message says which and why."""
-
-
-@dataclass
-class Sample:
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_type: str  # stop | length
-    weight_versions: list[str | None]  # one per request that contributed tokens
-    pieces: list[int]  # tokens each of those requests contributed
-    resends: int = 0
 
 
 @dataclass
@@ -103,7 +94,7 @@ class _Retryable(Exception):
 _CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())
 
 
-class GenerationClient:
+class GenerationClient(GroupGenerator):
     def __init__(
         self,
         addresses: list[str],
@@ -214,8 +205,8 @@ class GenerationClient:
 
     # ------------------------------------------------------------------ generation
 
-    async def generate(self, prompt: list[int], params: dict[str, Any], n: int) -> list[Sample]:
-        """`n` samples of one prompt (one request); aborted samples are re-sent until they finish."""
+    async def request(self, prompt: list[int], params: dict[str, Any], n: int) -> list[Completion]:
+        """One /generate request for `n` samples of `prompt` (re-sending aborted ones is GroupGenerator's)."""
         self._http()
         assert self._sem is not None
         async with self._sem:
@@ -223,38 +214,7 @@ class GenerationClient:
         items = out if isinstance(out, list) else [out]
         if len(items) != n:
             raise GenerationServerError(f"/generate returned {len(items)} samples for n={n}")
-        return list(await asyncio.gather(*(self._finish(prompt, params, _parse(i)) for i in items)))
-
-    async def _finish(self, prompt: list[int], params: dict[str, Any], c: Completion) -> Sample:
-        ids, lps, versions, resends = list(c.output_ids), list(c.logprobs), [c.weight_version], 0
-        pieces = [len(c.output_ids)]
-        while c.finish_type == "abort":
-            status = c.finish.get("status_code")
-            if isinstance(status, int) and 400 <= status < 500:
-                raise GenerationServerError(f"the server rejected a request: {c.finish.get('message')}")
-            remaining = params["max_new_tokens"] - len(ids)
-            if remaining <= 0:
-                return Sample(ids, lps, "length", versions, pieces, resends)
-            resends += 1
-            if resends > self.max_abort_resends:
-                raise GenerationServerError(
-                    f"a sample was aborted {resends} times (max_abort_resends={self.max_abort_resends}); "
-                    f"last reason: {c.finish.get('message')}"
-                )
-            again = {
-                **params,
-                "max_new_tokens": remaining,
-                "min_new_tokens": max(0, params.get("min_new_tokens", 0) - len(ids)),
-            }
-            assert self._sem is not None
-            async with self._sem:
-                out = await self.post("/generate", generate_payload(prompt + ids, again, 1))
-            c = _parse(out[0] if isinstance(out, list) else out)
-            ids += c.output_ids
-            lps += c.logprobs
-            versions.append(c.weight_version)
-            pieces.append(len(c.output_ids))
-        return Sample(ids, lps, c.finish_type, versions, pieces, resends)
+        return [_parse(item) for item in items]
 
     # ------------------------------------------------------------------ control
 
@@ -329,29 +289,3 @@ def _json_or_raise(answer: _Answer, address: str, path: str, allow_400: bool = F
         raise GenerationServerError(
             f"{address} answered {path} with non-JSON: {answer.body[:200]!r}"
         ) from None
-
-
-@dataclass
-class EventLoopThread:
-    """An asyncio loop in a daemon thread, so synchronous callers (the trainer) can run coroutines."""
-
-    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
-
-    def __post_init__(self) -> None:
-        self._thread = threading.Thread(target=self.loop.run_forever, name="generation-client", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except BaseException:
-            future.cancel()
-            raise
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=5)
-        if not self.loop.is_running():
-            self.loop.close()

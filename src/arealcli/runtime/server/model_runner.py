@@ -37,10 +37,26 @@ class ModelRunner:
         )
         self.dtype = DTYPES[dtype]
         config = AutoConfig.from_pretrained(model_path)
-        self.module = (
-            AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
+        module = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self._attach(module, config, self._load_tokenizer(model_path))
+
+    @classmethod
+    def in_memory(
+        cls, module, tokenizer, name: str, device: str = "auto", dtype: str = "float32"
+    ) -> ModelRunner:
+        """A runner over a module already built in this process (the `local` backend): no files."""
+        self = cls.__new__(cls)
+        self.model_path = self.tokenizer_path = name
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         )
-        self.tokenizer = self._load_tokenizer(model_path)
+        self.dtype = DTYPES[dtype]
+        self._attach(module.to(self.dtype), module.config, tokenizer)
+        return self
+
+    def _attach(self, module, config, tokenizer) -> None:
+        self.module = module.to(self.device).eval()
+        self.tokenizer = tokenizer
         self.vocab_size = self.module.get_input_embeddings().num_embeddings
         self.context_length = int(getattr(config, "max_position_embeddings", 1 << 20))
         self.model_type = getattr(config, "model_type", None)

@@ -85,6 +85,23 @@ class MegatronBackendArgs(StrictModel):
     )
 
 
+class LocalBackendArgs(StrictModel):
+    """Generation in this process on a thread of its own: a copy of the model that follows another's
+    weights (`weights_from`), batching the prompt groups it is sent. The engine of `areal serve`,
+    without HTTP: for asynchronous RL on one machine without a server."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = cuda when available, else cpu."
+    )
+    dtype: Dtype = Field("float32", description="Weights and compute dtype.")
+    max_batch_size: PositiveInt = Field(
+        1024, le=1 << 20, description="Most samples in one generate call (more wait for the next one)."
+    )
+    batch_window_ms: float = Field(
+        5.0, ge=0, le=10_000, description="Batch the groups that arrive within this long of each other."
+    )
+
+
 def _check_address(address: str) -> str:
     """`host:port` (an `http://` prefix is dropped): the port a number in 1..65535."""
     a = address.strip()

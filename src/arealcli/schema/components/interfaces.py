@@ -102,6 +102,21 @@ class PPOActorArgs(StrictModel):
     early_stop_imp_ratio: float | None = Field(
         None, gt=1, description="Skip a minibatch whose mean ratio exceeds this."
     )
+    use_decoupled_loss: bool = Field(
+        False,
+        description="Decoupled PPO (asynchronous RL): the ratio against proximal log-probs recomputed by the "
+        "current policy before the update (the presets add an actor_prox call), times the behaviour weight "
+        "pi_prox / pi_behaviour.",
+    )
+    behav_imp_weight_cap: float | None = Field(
+        None,
+        gt=1,
+        description="With use_decoupled_loss: tokens whose behaviour weight exceeds this are capped "
+        "(behav_imp_weight_mode); they stay in the loss's denominator.",
+    )
+    behav_imp_weight_mode: Literal["mask", "truncate"] = Field(
+        "mask", description="mask: a capped token's loss is 0 (AReaL); truncate: its weight is the cap (TIS)."
+    )
     # --- evaluation
     eval_reward_fn: str = Field("math", description="Reward used for held-out accuracy (greedy decoding).")
     eval_max_new_tokens: PositiveInt | None = Field(
@@ -121,6 +136,10 @@ class PPOActorArgs(StrictModel):
             raise ValueError("adv_norm=group needs generation.n >= 2 samples per prompt (a group)")
         if self.leave_one_out and self.adv_norm != "group":
             raise ValueError("leave_one_out is a group baseline: set adv_norm: group")
+        if self.behav_imp_weight_cap is not None and not self.use_decoupled_loss:
+            raise ValueError(
+                "behav_imp_weight_cap caps pi_prox / pi_behaviour, which exists with use_decoupled_loss: true"
+            )
         return self
 
 

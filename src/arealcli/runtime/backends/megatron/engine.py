@@ -22,21 +22,30 @@ entropy avoids that, but cannot serve arbitrary ``loss_fn``s (PPO needs log-prob
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from arealcli.runtime import generation
-from arealcli.runtime.backends.base import LossFn, LossWeightFn
 from arealcli.runtime.backends.megatron.schedule import Stage, run_schedule
 from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.engines.train import TrainEngine
 from arealcli.runtime.optim import begin_step
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
 
 
-class MegatronEngine:
+def _map_tensors(obj: Any, fn) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list | tuple):
+        return type(obj)(_map_tensors(x, fn) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+class MegatronEngine(TrainEngine):
     def __init__(
         self,
         model: torch.nn.Module,
@@ -69,7 +78,7 @@ class MegatronEngine:
         )
         self.pp_rank, self.pp_world = ps.get_pipeline_model_parallel_rank(), self.stage.size
         self.dp_group = ps.get_data_parallel_group()
-        self.dp_rank, self.dp_world = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()  # dp_world: the size of dp_group (TrainEngine)
         self.mp_group = ps.get_model_parallel_group()  # the TP x PP ranks of this replica
 
     # ------------------------------------------------------------------ one micro-batch, one stage
@@ -95,21 +104,22 @@ class MegatronEngine:
     def _activation_shape(self, mb: SequenceSample) -> tuple[int, int, int]:
         return (max(mb.seqlens["packed_input_ids"]), mb.bs, self.hf_config.hidden_size)  # [s, b, h]
 
-    def _schedule(self, mbs, last_stage_fn, backward: bool) -> None:
+    # ------------------------------------------------------------------ the TrainEngine primitives
+
+    def run_microbatches(self, mbs, on_output, backward: bool) -> None:
+        """The pipeline schedule over the micro-batches; `on_output` runs on the last stage."""
         run_schedule(
             self.stage,
             mbs,
             self._forward_step,
-            last_stage_fn,
+            on_output,
             self._activation_shape,
             self.dtype,
             self.device,
             backward,
         )
 
-    # ------------------------------------------------------------------ batch bookkeeping
-
-    def _check_same_batch(self, input_: SequenceSample, key: str) -> None:
+    def check_batch(self, input_: SequenceSample, key: str) -> None:
         """Every TP / PP rank of this replica must hold the same samples (the pipeline's activation
         shapes and the TP collectives depend on it): compare a cheap fingerprint over the group."""
         if self.mp_group.size() == 1:
@@ -127,202 +137,60 @@ class MegatronEngine:
                 "not by the global rank."
             )
 
-    def _all_reduce(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-        if self.dp_world == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=op, group=self.dp_group)
-        return t.tolist()
-
-    def _split_evenly(self, input_: SequenceSample, mb_spec: MicroBatchSpec) -> list[SequenceSample]:
+    def split_for_training(self, input_: SequenceSample, mb_spec: MicroBatchSpec) -> list[SequenceSample]:
         """Micro-batches, as many on every data-parallel rank as the most any rank needs (as far as
         its samples allow), so that the replicas run balanced, equally long schedules."""
         mbs = input_.split(mb_spec)[0]
-        n = int(self._all_reduce([float(len(mbs))], dist.ReduceOp.MAX)[0])
+        n = int(self.all_reduce([float(len(mbs))], op="max")[0])
         if n > len(mbs):
             mbs = input_.split(mb_spec.model_copy(update={"n_mbs": n}))[0]
         return mbs
 
-    def _reduce_stats(
-        self, loss_sum: float, sums: dict[str, float], local_total: float, scope: str
-    ) -> dict[str, float]:
-        """Weighted sums -> means over the whole data-parallel group (the hf backend's convention):
-        "global" the token mean over every rank, "dp" the mean of the ranks' own means;
-        ``loss_weight`` the global total."""
-        parts = [(loss_sum, sums, local_total)]
-        if self.dp_world > 1:
-            parts = [None] * self.dp_world
-            dist.all_gather_object(parts, (loss_sum, sums, local_total), group=self.dp_group)
-        total = sum(p[2] for p in parts)
-        denom = total if total > 0 else 1.0
-        out: dict[str, float] = {}
-        for _, s, _ in parts:
-            for k, v in s.items():
-                out[k] = out.get(k, 0.0) + v / denom
-        if scope == "global" or len(parts) == 1:
-            out["loss"] = sum(p[0] for p in parts) / denom
-        else:
-            out["loss"] = sum(p[0] / p[2] for p in parts if p[2] > 0) / len(parts)
-        out["loss_weight"] = total
-        return out
+    def share_from_last(self, obj: Any) -> Any:
+        """The last stage's `obj` on every stage (tensors travel through the CPU)."""
+        if self.stage.size == 1:
+            return obj
+        moved = _map_tensors(obj, lambda t: t.cpu())
+        moved = self.stage.broadcast_from_last(moved)
+        return obj if self.stage.last else _map_tensors(moved, lambda t: t.to(self.device))
 
-    # ------------------------------------------------------------------ training
+    def loss_scale(self) -> float:
+        return float(self.optimizer.get_loss_scale())  # fp16 loss scaling (1 otherwise)
 
-    def train_batch(
-        self,
-        input_: SequenceSample,
-        mb_spec: MicroBatchSpec,
-        loss_fn: LossFn,
-        loss_weight_fn: LossWeightFn,
-        version_steps: int,
-        token_normalize_scope: str = "global",
-        lr_scale: float = 1.0,
-    ) -> dict[str, float]:
-        """One optimizer step over ``input_`` (this replica's slice of the global batch); the LR is
-        the schedule at ``version_steps`` times ``lr_scale``.
+    def eval_mode(self) -> None:
+        self.model.eval()
 
-        Micro-batch i's loss is weighted by w_i / W * dp: W sums the weights over every micro-batch
-        of every data-parallel rank ("global"; this rank's only for "dp"), and megatron's DDP
-        averages the gradients over the dp ranks, which the factor dp turns back into a sum.
-        """
-        from megatron.core.distributed import finalize_model_grads
-
-        if token_normalize_scope not in ("global", "dp"):
-            raise ValueError(f"token_normalize_scope must be 'global' or 'dp', got {token_normalize_scope!r}")
-        self._check_same_batch(input_, "packed_input_ids")
+    def begin_train_step(self, version_steps: int, lr_scale: float) -> float:
         self.model.train()
         lr = begin_step(self.optimizer, self.optimizer_cfg, self.total_train_steps, version_steps, lr_scale)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        return lr
 
-        mbs = self._split_evenly(input_, mb_spec)
-        weights = [float(loss_weight_fn(mb)) for mb in mbs]
-        local_total = sum(weights)
-        global_total = self._all_reduce([local_total])[0]
-        if token_normalize_scope == "global":
-            total, scale = global_total, self.dp_world
-        else:
-            total, scale = local_total, 1
-        scale *= float(self.optimizer.get_loss_scale())  # fp16 loss scaling (1 otherwise)
-        work = [(mb, w) for mb, w in zip(mbs, weights, strict=True) if w > 0 and total > 0]
+    def finish_train_step(self, stepped: bool) -> float:
+        """DP all-reduce of the gradient buffers, tied-embedding gradients across first / last stage,
+        then the (collective) optimizer step. Every replica takes the same decision: step unless no rank
+        had anything to learn from (as the hf backend, whose gradients then stay None)."""
+        from megatron.core.distributed import finalize_model_grads
 
-        loss_sum, sums = 0.0, {}
-
-        def weighted_loss(item: tuple[SequenceSample, float], logits: torch.Tensor) -> torch.Tensor:
-            nonlocal loss_sum
-            mb, w = item
-            loss, mb_stats = loss_fn(logits, mb)
-            loss_sum += float(loss.detach()) * w
-            for k, v in mb_stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * w
-            return loss * (w / total * scale)
-
-        run_schedule(
-            self.stage,
-            work,
-            lambda item, x: self._forward_step(item[0], x),
-            weighted_loss,
-            lambda item: self._activation_shape(item[0]),
-            self.dtype,
-            self.device,
-            backward=True,
-        )
-        # DP all-reduce of the gradient buffers; tied-embedding gradients across first / last stage.
         finalize_model_grads([self.model])
-        # Every replica must take the same decision (its optimizer step is collective, and the
-        # replicas would drift apart otherwise): step unless no rank had anything to learn from.
-        if global_total > 0:
-            _, grad_norm, _ = self.optimizer.step()
-            grad_norm = float("nan") if grad_norm is None else float(grad_norm)
-        else:  # as the hf backend, whose gradients then stay None
-            grad_norm = 0.0
+        if not stepped:
+            return 0.0
+        _, grad_norm, _ = self.optimizer.step()
+        return float("nan") if grad_norm is None else float(grad_norm)
 
-        loss_sum, sums = self.stage.broadcast_from_last((loss_sum, sums))
-        stats = self._reduce_stats(loss_sum, sums, local_total, token_normalize_scope)
-        stats.update({"grad_norm": grad_norm, "lr": lr, "n_mbs": float(len(mbs))})
-        return stats
-
-    # ------------------------------------------------------------------ evaluation / inference
-
-    @torch.no_grad()
-    def eval_batch(
-        self, input_: SequenceSample, mb_spec: MicroBatchSpec, loss_fn: LossFn
-    ) -> dict[str, float]:
-        """``loss_fn`` averaged over this rank's samples (weighted by micro-batch size), like hf."""
-        self._check_same_batch(input_, "packed_input_ids")
-        self.model.eval()
-        sums: dict[str, float] = {}
-
-        def record(mb: SequenceSample, logits: torch.Tensor) -> None:
-            loss, mb_stats = loss_fn(logits, mb)
-            sums["loss"] = sums.get("loss", 0.0) + float(loss) * mb.bs
-            for k, v in mb_stats.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * mb.bs
-
-        self._schedule(input_.split(mb_spec)[0], record, backward=False)
-        sums = self.stage.broadcast_from_last(sums)
-        return {k: v / max(input_.bs, 1) for k, v in sums.items()}
-
-    @torch.no_grad()
-    def forward(
-        self,
-        input_: SequenceSample,
-        mb_spec: MicroBatchSpec,
-        post_hook: Callable[[torch.Tensor, SequenceSample], Any] | None = None,
-        aggregate_fn: Callable[[list[Any]], Any] = torch.cat,
-    ) -> Any:
-        """Per-sample outputs in the input's order, on every rank (see ``HFEngine.forward``). With
-        pipeline parallelism the last stage computes them and broadcasts them (pickled, via the CPU)
-        to the other stages: keep ``post_hook``'s outputs small (log-probs, not logits)."""
-        self._check_same_batch(input_, "packed_input_ids")
-        self.model.eval()
-        mbs, _, backward = input_.split(mb_spec)
-        per_sample: list[Any] = []
-
-        def record(mb: SequenceSample, logits: torch.Tensor) -> None:
-            res = post_hook(logits, mb) if post_hook is not None else logits
-            if isinstance(res, torch.Tensor):
-                res = list(torch.split(res, mb.seqlens["packed_input_ids"]))
-            per_sample.extend(res)
-
-        self._schedule(mbs, record, backward=False)
-        if self.stage.size > 1:
-            moved = [r.cpu() if isinstance(r, torch.Tensor) else r for r in per_sample]
-            moved = self.stage.broadcast_from_last(moved)
-            if not self.stage.last:
-                per_sample = [r.to(self.device) if isinstance(r, torch.Tensor) else r for r in moved]
-        return aggregate_fn([per_sample[i] for i in backward])
-
-    # ------------------------------------------------------------------ generation
-
-    @torch.no_grad()
-    def generate(
-        self, input_: SequenceSample, mb_spec: MicroBatchSpec, tokenizer, gconfig: GenerationHyperparameters
-    ) -> generation.GenerationResult:
-        """Sample from ``packed_prompts``; one result per prompt.
-
-        SLOW by design: no KV cache, every new token re-runs the full forward over every sequence
+    def generate_prompts(self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int):
+        """SLOW by design: no KV cache, every new token re-runs the full forward over every sequence
         (O(T^2) work per sample). It exists for evaluation and debugging; for RL rollouts use an
-        hf / sglang / vllm generation model that receives this model's weights (``save_to_hf``).
-        """
-        self._check_same_batch(input_, "packed_prompts")
-        self.model.eval()
-        mbs, _, backward = input_.split(mb_spec)
-        eos = {tokenizer.eos_token_id} | set(gconfig.stop_token_ids)
-        parts = [self._generate_mb(mb, gconfig, eos, tokenizer.pad_token_id) for mb in mbs]
-        ids = [x for p in parts for x in p.output_ids]
-        lps = [x for p in parts for x in p.logprobs]
-        no_eos = [x for p in parts for x in p.no_eos]
-        return generation.GenerationResult(
-            [ids[i] for i in backward], [lps[i] for i in backward], [no_eos[i] for i in backward]
-        )
+        hf / sglang / vllm generation model that receives this model's weights (``save_to_hf``)."""
+        return self._generate_mb(prompts, g, eos_ids | set(g.stop_token_ids), pad_id)
 
     def _generate_mb(
-        self, mb: SequenceSample, g: GenerationHyperparameters, eos: set[int], pad_id: int
+        self, prompts: list[list[int]], g: GenerationHyperparameters, eos: set[int], pad_id: int
     ) -> generation.GenerationResult:
         from megatron.core import parallel_state as ps
 
-        seqs = [t.tolist() for t in mb.unpack("packed_prompts")]
+        seqs = [list(p) for p in prompts]
         B = len(seqs)
         stop = torch.tensor(sorted(eos), device=self.device)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
@@ -341,7 +209,7 @@ class MegatronEngine:
                 token, logp = generation.sample(nxt, g)
                 picked[0], picked[1] = token.double(), logp.double()
 
-            self._schedule([batch], sample_next, backward=False)
+            self.run_microbatches([batch], sample_next, backward=False)
             # Sampling is random: TP rank 0 of the last stage decides, then every stage hears it.
             if self.stage.last and self.tp_world > 1:
                 dist.broadcast(

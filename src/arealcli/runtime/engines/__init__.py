@@ -1,0 +1,1 @@
+"""Engines: training engines (hf, fsdp, megatron) and inference engines (in-process, sglang, vllm)."""
