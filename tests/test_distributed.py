@@ -231,7 +231,9 @@ def test_data_parallel_size_reads_typed_backend_args(ws):
     from arealcli.schema.source import apply_overrides, load_recipe_source
     from arealcli.schema.validate import validate
 
-    megatron = ["models.default.backend={type_: megatron, args: {tensor_parallel_size: 2, optimizer: {lr: 0.1}}}"]
+    megatron = [
+        "models.default.backend={type_: megatron, args: {tensor_parallel_size: 2, optimizer: {lr: 0.1}}}"
+    ]
     recipe = validate(apply_overrides(load_recipe_source(ws.recipe()), megatron))
     assert data_parallel_size(recipe, 2) == 1  # tensor parallel over both ranks: one data-parallel rank
     assert data_parallel_size(recipe, 4) == 2

@@ -15,8 +15,8 @@ import torch
 from conftest import tiny_module
 
 from arealcli.runtime.backends.hf import HFBackend
-from arealcli.runtime.engines.train import TrainEngine
 from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.engines.train import TrainEngine
 from arealcli.runtime.interfaces.sft import num_answer_tokens, sft_loss
 from arealcli.runtime.model import FinetuneSpec, Model
 from arealcli.schema.components.backends import HFBackendArgs

@@ -173,7 +173,10 @@ def test_eval_and_eval_batch_match_hf_on_the_exported_weights(
     dp = int(layout[-1])
     slices = [dp_slice(eval_batch, r, dp) for r in range(dp)]
     per_slice = [model.module.eval_batch(x, MicroBatchSpec(n_mbs=2), sft_loss) for x in slices]
-    want = {k: sum(p[k] * x.bs for p, x in zip(per_slice, slices, strict=True)) / eval_batch.bs for k in per_slice[0]}
+    want = {
+        k: sum(p[k] * x.bs for p, x in zip(per_slice, slices, strict=True)) / eval_batch.bs
+        for k in per_slice[0]
+    }
     got = two_process_results[layout]["eval_batch"]
     assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-5 for k in want)
 

@@ -323,6 +323,8 @@ def sample_rows(batch, tokenizer) -> list[dict]:
             row["answers"] = batch.meta["answers"][i]
         if "version" in batch.meta:
             row["version"] = batch.meta["version"][i]  # policy version that generated the response
+        if "version_last" in batch.meta:
+            row["version_last"] = batch.meta["version_last"][i]  # differs when an update interrupted it
         rows.append(row)
     return rows
 

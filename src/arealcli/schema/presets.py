@@ -36,7 +36,7 @@ UNUSED = {
 }
 
 # `version` (meta): the policy version that generated each sample (it lags when generation servers do)
-GEN_OUT = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "version"]
+GEN_OUT = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "version", "version_last"]
 
 
 def _call(name, model, type_, args, call_type, inputs, outputs, mb_spec, **extra) -> dict[str, Any]:
@@ -109,6 +109,7 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
         "seq_no_eos_mask",
         "rewards",
         "version",
+        "version_last",
     ]
     if "ref" in models:
         origin[len(calls)] = "actor"
