@@ -181,6 +181,18 @@ def test_slow_generator_is_waited_for_and_interrupted_by_updates(ws):
     assert any(last > first for _, first, last in seen), seen
 
 
+def test_async_on_an_embedded_server(ws):
+    """The generation model on an `areal serve` process (SGLang's protocol): updates abort the requests in
+    flight, which the client continues on the new weights."""
+    server = LOCAL_GEN | {"backend": {"type_": "sglang", "args": {"launch": "embedded", "num_servers": 1}}}
+    path = grpo(ws, gen=server, staleness=1, trainer={"max_steps": 5, "samples_every_n_steps": 1})
+    run(path, ws.root / "run")
+    seen = lags(ws.root / "run")
+    assert len(seen) == 4 * 8 * 2 and all(0 <= t - first <= 1 for t, first, _ in seen), seen
+    rl = [m for m in metrics(ws.root / "run") if "actor_train/version_lag_max" in m]
+    assert len(rl) == 4 and all(m["actor_train/version_lag_max"] <= 1 for m in rl)
+
+
 def test_rollout_errors_reach_the_trainer(ws):
     path = grpo(ws, gen=LOCAL_GEN, staleness=1)
 
@@ -287,3 +299,47 @@ def test_plan_shows_the_two_sides(ws, cli):
         "rollout side, ahead on a background thread: actor_gen, reward; training side: sft_warmup, actor_train"
         in out
     )
+
+
+# --------------------------------------------------------------------------- the inference engine
+
+
+def test_local_engine_groups_pause_resume_and_updates(char_tok, tmp_path):
+    from arealcli.runtime.backends.local import LocalBackend
+    from arealcli.runtime.model import FinetuneSpec, Model
+    from arealcli.schema.components.backends import LocalBackendArgs
+    from arealcli.schema.components.engine import GenerationHyperparameters
+    from tests.conftest import tiny_module
+
+    module = tiny_module(char_tok, seed=1)
+    model = LocalBackend(LocalBackendArgs(device="cpu")).initialize(
+        Model("gen", module, char_tok), FinetuneSpec(1, 8, 8, 10)
+    )
+    engine = model.module
+    g = GenerationHyperparameters(greedy=True, max_new_tokens=6)
+    eos = {char_tok.eos_token_id}
+    try:
+        assert not any(hasattr(engine, m) for m in ("train_batch", "forward", "eval_batch"))
+        first = engine.submit_group([20, 21], g, eos, 3).result(timeout=30)
+        assert len(first) == 3 and len({tuple(s.output_ids) for s in first}) == 1  # greedy: one answer
+        assert all(s.versions() == (0, 0) for s in first)
+
+        engine.pause()
+        held = engine.submit_group([20, 21], g, eos, 1)
+        time.sleep(0.3)
+        assert not held.done()  # paused: new groups wait
+        engine.resume()
+        assert held.result(timeout=30)[0].output_ids == first[0].output_ids
+
+        other = tiny_module(char_tok, seed=2)  # new weights, version 7
+        other.save_pretrained(tmp_path / "w")
+        model.backend.update_weights(model, str(tmp_path / "w"), 7)
+        after = engine.submit_group([20, 21], g, eos, 1).result(timeout=30)[0]
+        assert after.versions() == (7, 7) and engine.version == 7
+        expected = tiny_module(char_tok, seed=2)
+        from arealcli.runtime import generation
+
+        want = generation.generate(expected, [[20, 21]], g, eos, char_tok.pad_token_id, "cpu")
+        assert after.output_ids == want.output_ids[0]
+    finally:
+        model.backend.destroy(model)

@@ -318,11 +318,14 @@ def test_tied_embeddings_cannot_be_reloaded_on_cpu(gen, char_tok, tmp_path):
 
 
 @slow
-def test_only_generation(gen, char_tok):
-    with pytest.raises(NotImplementedError, match="backend vllm.*only generate"):
-        gen.module.train_batch(query([PROMPT]), MicroBatchSpec(), None, None, 0)
-    with pytest.raises(NotImplementedError, match="forward pass"):
-        gen.module.forward(query([PROMPT]), MicroBatchSpec())
+def test_only_generation_by_prompt_group(gen, char_tok):
+    # an inference engine: no training methods (`areal check` refuses train/inference calls on vllm)
+    assert not any(hasattr(gen.module, m) for m in ("train_batch", "forward", "eval_batch"))
+    g = GenerationHyperparameters(greedy=True, max_new_tokens=5)
+    future = gen.module.submit_group(PROMPT, g, {char_tok.eos_token_id}, 2)  # returns at once
+    group = future.result(timeout=120)
+    want = gen.module.generate(query([PROMPT], repeat=2), MicroBatchSpec(), char_tok, g)
+    assert [s.output_ids for s in group] == want.output_ids
 
 
 # --------------------------------------------------------------------------- faults
@@ -438,3 +441,69 @@ def test_payload_uses_only_completion_request_fields():
         "repetition_penalty": 1.0,
         "min_p": 0.0,
     }
+
+
+# --------------------------------------------------------------------------- asynchronous rollout
+
+
+@slow
+def test_async_rollout_generates_on_vllm(ws, char_tok):
+    """GRPO with `rollout: {max_staleness: 1}` and the generation model on a launched vLLM server: the
+    server generates ahead of training, takes the actor's weights after every step, and no sample trains
+    more than one version after the policy that generated it."""
+    import yaml
+
+    from arealcli.runtime.trainer import Trainer
+    from arealcli.schema.source import load_recipe_source
+    from arealcli.schema.validate import validate
+    from tests.conftest import TINY_ARCH, sft_recipe
+
+    python = require_vllm()
+    recipe = sft_recipe()
+    recipe["models"] = {
+        "actor": {
+            "config": {**TINY_ARCH, **ARCH},
+            "backend": {"type_": "hf", "args": {"device": "cpu", "optimizer": {"lr": 1e-2}}},
+        },
+        "actor_gen": {
+            "init_from": "actor",
+            "weights_from": "actor",
+            "backend": {
+                "type_": "vllm",
+                "args": {
+                    "launch": True,
+                    "python_executable": python,
+                    "dtype": "float32",
+                    "max_model_len": 256,
+                    "enforce_eager": True,
+                    "kv_cache_memory_bytes": 256 << 20,
+                    "startup_timeout_s": 300,
+                },
+            },
+        },
+    }
+    recipe["dataflow"] = {
+        "preset": "grpo",
+        "sft_warmup_steps": 1,
+        "actor": {"generation": {"n": 2, "max_new_tokens": 4}, "use_decoupled_loss": True},
+        "reward": {"reward_fn": "exact_match"},
+    }
+    recipe["rollout"] = {"max_staleness": 1}
+    recipe["trainer"] = {"max_steps": 5, "tensorboard": False, "samples_every_n_steps": 1}
+    path = ws.text("async-vllm.yaml", yaml.safe_dump(recipe, sort_keys=False))
+    trainer = Trainer(validate(load_recipe_source(path)), path.parent, ws.root / "run")
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.close()
+    lags = [
+        (int(p.stem.split("_")[1]) - 1) - json.loads(x)["version"]
+        for p in sorted((ws.root / "run" / "samples").glob("step_*.jsonl"))
+        for x in p.read_text().splitlines()
+    ]
+    assert len(lags) == 4 * 8 * 2 and all(0 <= lag <= 1 for lag in lags), lags
+    assert max(lags) == 1  # it did generate ahead
+    rows = [json.loads(x) for x in (ws.root / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if "actor_train/behav_imp_weight_mean" in r]
+    assert len(rl) == 4 and all(abs(r["actor_train/behav_imp_weight_mean"] - 1) < 0.5 for r in rl)

@@ -52,9 +52,15 @@ class Sequence:
 
 class Scheduler:
     def __init__(
-        self, runner, batch_window_s: float = 0.005, max_batch_size: int = 256, weight_version="default"
+        self,
+        runner,
+        batch_window_s: float = 0.005,
+        max_batch_size: int = 256,
+        weight_version="default",
+        on_thread_start: Callable[[], None] | None = None,
     ):
         self.runner = runner
+        self.on_thread_start = on_thread_start  # e.g. torch threads of the batching thread
         self.batch_window_s = batch_window_s
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
@@ -151,6 +157,8 @@ class Scheduler:
                 return [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size))]
 
     def _loop(self) -> None:
+        if self.on_thread_start is not None:
+            self.on_thread_start()
         while True:
             with self._cv:
                 batch = self._take_batch()

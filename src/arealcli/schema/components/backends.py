@@ -100,6 +100,13 @@ class LocalBackendArgs(StrictModel):
     batch_window_ms: float = Field(
         5.0, ge=0, le=10_000, description="Batch the groups that arrive within this long of each other."
     )
+    num_threads: int = Field(
+        1,
+        ge=0,
+        le=1024,
+        description="torch CPU threads of the generation thread (0 = torch's default); the training thread "
+        "keeps its own. 1 leaves the other cores to training.",
+    )
 
 
 def _check_address(address: str) -> str:
