@@ -14,6 +14,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.engines.inference import (
     EventLoopThread,
@@ -105,8 +107,16 @@ class LocalBackend(ModelBackend):
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         a: LocalBackendArgs = self.args
         runner = ModelRunner.in_memory(model.module, model.tokenizer, model.name, a.device, a.dtype)
+        def thread_setup() -> None:  # torch's thread count is per calling thread
+            if a.num_threads:
+                torch.set_num_threads(a.num_threads)
+
         scheduler = Scheduler(
-            runner, a.batch_window_ms / 1000, a.max_batch_size, weight_version=str(model.version.global_step)
+            runner,
+            a.batch_window_ms / 1000,
+            a.max_batch_size,
+            weight_version=str(model.version.global_step),
+            on_thread_start=thread_setup,
         )
         scheduler.start()
         model.module = LocalEngine(
