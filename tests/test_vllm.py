@@ -322,10 +322,13 @@ def test_only_generation_by_prompt_group(gen, char_tok):
     # an inference engine: no training methods (`areal check` refuses train/inference calls on vllm)
     assert not any(hasattr(gen.module, m) for m in ("train_batch", "forward", "eval_batch"))
     g = GenerationHyperparameters(greedy=True, max_new_tokens=5)
-    future = gen.module.submit_group(PROMPT, g, {char_tok.eos_token_id}, 2)  # returns at once
-    group = future.result(timeout=120)
-    want = gen.module.generate(query([PROMPT], repeat=2), MicroBatchSpec(), char_tok, g)
-    assert [s.output_ids for s in group] == want.output_ids
+    future = gen.module.submit_group(PROMPT, g, {char_tok.eos_token_id}, 1)  # returns at once
+    (one,) = future.result(timeout=120)
+    want = gen.module.generate(query([PROMPT]), MicroBatchSpec(), char_tok, g)
+    assert one.output_ids == want.output_ids[0]
+    sampled = GenerationHyperparameters(max_new_tokens=5)  # vLLM takes n > 1 for sampling only
+    group = gen.module.submit_group(PROMPT, sampled, {char_tok.eos_token_id}, 3).result(timeout=120)
+    assert len(group) == 3 and all(len(s.output_ids) == len(s.logprobs) > 0 for s in group)
 
 
 # --------------------------------------------------------------------------- faults

@@ -107,6 +107,7 @@ class LocalBackend(ModelBackend):
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         a: LocalBackendArgs = self.args
         runner = ModelRunner.in_memory(model.module, model.tokenizer, model.name, a.device, a.dtype)
+
         def thread_setup() -> None:  # torch's thread count is per calling thread
             if a.num_threads:
                 torch.set_num_threads(a.num_threads)

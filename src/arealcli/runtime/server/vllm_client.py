@@ -130,6 +130,11 @@ class VLLMClient(GenerationClient):
                 self._idle.set()
         return parse_completions(body, n, version)
 
+    async def generate_many(self, groups: list[tuple[list[int], dict[str, Any], int]]) -> list[list[Sample]]:
+        """Each group one /v1/completions request, all in flight at once (nothing is ever aborted here:
+        updates wait for the requests in flight, so there is nothing to continue)."""
+        return list(await asyncio.gather(*(self.generate(p, params, n) for p, params, n in groups)))
+
     # ------------------------------------------------------------------ control
 
     async def check_all(self) -> list[dict[str, Any]]:
