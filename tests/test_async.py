@@ -255,6 +255,25 @@ def test_kill_9_during_async_run_then_resume(ws):
     assert all(t - first <= 2 for t, first, _ in lags(run_dir))
 
 
+def test_ctrl_c_stops_an_async_run_within_seconds(ws):
+    path = grpo(ws, gen=LOCAL_GEN, staleness=2, reward_fn="exact_match", trainer={"max_steps": 5000})
+    run_dir = ws.root / "run"
+    cmd = [sys.executable, "-m", "arealcli.main", "train", str(path), "-o", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # well into RL: generation ahead, updates in flight
+        m = run_dir / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, out[-2000:]
+    assert time.time() - t0 < 10
+    assert "interrupted: the last complete checkpoint is kept" in out and "Traceback" not in out
+
+
 # --------------------------------------------------------------------------- checks
 
 

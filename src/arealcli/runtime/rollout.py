@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from arealcli.runtime.data import SequenceSample
@@ -55,7 +55,6 @@ class RolloutProducer:
         self._published = start  # the weights after step `_published - 1` are on the generation model
         self._futures: dict[int, Future] = {}
         self._stopped = False
-        self._pool = ThreadPoolExecutor(max_workers=max_staleness + 1, thread_name_prefix="rollout")
         self._thread = threading.Thread(target=self._loop, name="rollout-producer", daemon=True)
         self.started_at: dict[int, int] = {}  # step -> published step when its generation started
 
@@ -78,15 +77,28 @@ class RolloutProducer:
                     return
                 if self.needed(step):
                     self.started_at[step] = self._published
-                    self._futures[step] = self._pool.submit(self._produce, step)
+                    future: Future = Future()
+                    self._futures[step] = future
+                    # a daemon thread per batch (at most K + 1 at once, by the gate): a worker stuck in a
+                    # request when the run stops must not keep the process alive
+                    worker = threading.Thread(
+                        target=self._produce, args=(step, future), name=f"rollout-{step}", daemon=True
+                    )
+                    worker.start()
                     self._cv.notify_all()
             step += 1
 
-    def _produce(self, step: int) -> tuple[SequenceSample, dict[str, float]]:
+    def _produce(self, step: int, future: Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
         t0 = time.perf_counter()
-        batch, stats = run_calls(self.calls, self.batch_of(step), step)
+        try:
+            batch, stats = run_calls(self.calls, self.batch_of(step), step)
+        except BaseException as e:  # raised in the trainer by take()
+            future.set_exception(e)
+            return
         stats["rollout/produce_s"] = time.perf_counter() - t0
-        return batch, stats
+        future.set_result((batch, stats))
 
     # ------------------------------------------------------------------ trainer side
 
@@ -125,4 +137,3 @@ class RolloutProducer:
             for future in self._futures.values():
                 future.cancel()
             self._cv.notify_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -61,7 +61,7 @@ class LocalGenerator(GroupGenerator):
         waits = []
         for s in (s for group in per_group for s in group):
             done = loop.create_future()
-            s.on_done = lambda done=done: loop.call_soon_threadsafe(_resolve, done)
+            s.on_done = lambda done=done: _resolve_from_thread(loop, done)
             waits.append(done)
         self.scheduler.submit([s for group in per_group for s in group])  # one batch where they fit
         await asyncio.gather(*waits)
@@ -82,6 +82,14 @@ def _resolve(future: asyncio.Future) -> None:
         future.set_result(None)
 
 
+def _resolve_from_thread(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+    """From the batching thread: wake the waiting request (nobody waits once the loop is closed)."""
+    try:
+        loop.call_soon_threadsafe(_resolve, future)
+    except RuntimeError:  # the loop was closed at shutdown
+        pass
+
+
 class LocalEngine(InferenceEngine):
     def __init__(self, generator: LocalGenerator, loop: EventLoopThread, name: str, version: int):
         super().__init__(generator, loop, name, version)
@@ -94,7 +102,8 @@ class LocalEngine(InferenceEngine):
             raise GenerationServerError(message)
 
     def close(self) -> None:
-        self.scheduler.stop()
+        self.scheduler.stop()  # aborts what runs: the batch ends at its next decoding step
+        self.scheduler.join(timeout=10)
         self.loop.close()
 
 

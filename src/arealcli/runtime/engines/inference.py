@@ -145,7 +145,18 @@ class EventLoopThread:
             raise
 
     def close(self) -> None:
+        """Cancel what still runs (threads waiting on it get CancelledError, never a hang), then stop."""
         if self.loop.is_running():
+
+            async def cancel_all() -> None:
+                for task in asyncio.all_tasks():
+                    if task is not asyncio.current_task():
+                        task.cancel()
+
+            try:
+                self.submit(cancel_all()).result(timeout=2)
+            except Exception:  # a loop too busy to answer is stopped anyway
+                pass
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
         if not self.loop.is_running():

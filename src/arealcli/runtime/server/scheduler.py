@@ -79,6 +79,11 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the batching thread to end (after `stop`)."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
     def stop(self) -> None:
         with self._cv:
             self._stopped = True
