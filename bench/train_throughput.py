@@ -8,7 +8,7 @@ token, on a Qwen2-0.5B-shaped model built from its config (random weights, no do
   them in chunks of `--batch` (gradient accumulation, the usual HF way); our engines get the whole
   batch with `MicroBatchSpec(max_tokens_per_mb=batch * seq_len)`. Only real tokens count.
 
-Rows: `plain` (bf16 weights, as ENVIRONMENT.md's baseline), `plain-amp` (fp32 weights + bf16
+Rows: `plain` (bf16 weights: what a transformers user runs), `plain-amp` (fp32 weights + bf16
 autocast: the precision our engines train in), and our engines, built as the trainer builds them
 and driven through `train_batch(sft_loss, num_answer_tokens)`. `pad%`: the share of computed
 positions that are padding. `loss0`: the loss of the case's first step (same weights everywhere).
@@ -43,7 +43,7 @@ BACKENDS = ("plain", "plain-amp", "hf", "fsdp", "megatron")
 PRECISION = {"plain": "bf16", "fsdp": "fp32 + bf16 FSDP mp", "megatron": "bf16 + fp32 master"}
 FLOPS_FORMULA = (
     "FLOPs/step = 6 * N_params * tokens + 12 * layers * hidden * sum_i(len_i^2)  (forward + backward; "
-    "attention not halved for causality, as PaLM's MFU and ENVIRONMENT.md count it; real tokens only)"
+    "attention not halved for causality, as PaLM's MFU counts it; real tokens only)"
 )
 
 

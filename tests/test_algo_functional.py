@@ -263,16 +263,43 @@ def test_group_normalize_std_only_and_single_group_no_nan():
 # ----------------------------------------------------------------------------- dynamic sampling
 
 
-def test_dynamic_sampling_drops_all_correct_and_all_wrong_groups():
-    # id 0 all correct (1) | id 1 all wrong (0) | id 2 rate .25 | id 3 single correct (1) | id 4 rate .5
-    ids = torch.tensor([0, 1, 2, 0, 1, 2, 3, 2, 2, 4, 4])
-    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])
+def test_dynamic_sampling_drops_groups_that_all_score_the_same():
+    # id 0 all correct (1) | id 1 all wrong (0) | id 2 rate .25 | id 3 single correct (1)
+    # | id 4 [0.5, 0.5]: constant, no signal although its mean is strictly inside (0, 1) | id 5 [.2, .8]
+    ids = torch.tensor([0, 1, 2, 0, 1, 2, 3, 2, 2, 4, 4, 5, 5])
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.2, 0.8])
     keep = dynamic_sampling_mask(scores, ids)
     assert keep.dtype == torch.bool
-    assert keep.tolist() == [False, False, True, False, False, True, False, True, True, True, True]
-    # lower bound is strict: .25 is not > .25
-    keep_lb = dynamic_sampling_mask(scores, ids, lower=0.25, upper=1.0)
-    assert keep_lb.tolist() == [False, False, False, False, False, False, False, False, False, True, True]
+    assert keep.tolist() == [
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+        False,
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+    ]
+    # bounds on the mean are inclusive: .25 >= .25 stays, a lower bound of .3 drops it
+    assert dynamic_sampling_mask(scores, ids, lower=0.25).tolist() == keep.tolist()
+    keep_lb = dynamic_sampling_mask(scores, ids, lower=0.3, upper=1.0)
+    assert keep_lb.tolist() == [False] * 11 + [True, True]
+
+
+def test_group_normalize_unbiased_std():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0])
+    ids = torch.tensor([0, 0, 0, 0, 1])
+    pop = group_normalize(scores, ids)
+    unb = group_normalize(scores, ids, unbiased=True)
+    # group 0: mean .25; population std sqrt(.1875) = .4330; unbiased sqrt(.25) = .5
+    assert_close(pop[0], torch.tensor(0.75 / (0.4330127 + 1e-5)))
+    assert_close(unb[0], torch.tensor(0.75 / (0.5 + 1e-5)))
+    assert unb[4] == 0 and pop[4] == 0  # a group of one: 0 either way, never NaN
 
 
 # ----------------------------------------------------------------------------- aggregate_loss
@@ -535,3 +562,37 @@ def test_adaptive_kl_controller_updates_and_resumes_exactly():
     assert resumed.value == ctl.value
     with pytest.raises(ValueError, match="target"):
         AdaptiveKLController(init_kl_coef=0.1, target=0.0, horizon=10000)
+
+
+def test_log_ratio_is_clamped_and_counted():
+    # log r = 30 with A < 0: exp(30) = 1e13 unclamped; the clamp at 20 keeps it finite and kills its grad
+    logp = torch.tensor([[30.0, 0.1]], requires_grad=True)
+    adv = torch.tensor([[-1.0, -1.0]])
+    loss, stats = ppo_actor_loss(logp, torch.zeros(1, 2), adv, torch.ones(1, 2))
+    assert_close(loss, torch.tensor((math.exp(20.0) + math.exp(0.1)) / 2))
+    assert_close(stats["log_ratio_clamped_frac"], torch.tensor(0.5))
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
+
+
+def test_sequence_level_importance_ratio_gspo():
+    # seq 0: log r = [.1, .3] -> s = e^.2 = 1.2214 > 1.2: clipped (A = +1), loss -1.2 on both tokens, no grad
+    # seq 1: log r = [-.1]    -> s = e^-.1 = .9048: loss -.9048, d/dlogp = -s (per token, before the mean)
+    logp = torch.tensor([[0.1, 0.3], [-0.1, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.ones(2, 2)
+    loss, stats = ppo_actor_loss(
+        logp, torch.zeros(2, 2), adv, mask, importance_ratio="sequence", aggregation="seq-mean-token-mean"
+    )
+    s1 = math.exp(-0.1)
+    assert_close(loss, torch.tensor((-1.2 - s1) / 2))
+    assert_close(stats["clip_frac"], torch.tensor(2 / 3))  # both tokens of seq 0
+    loss.backward()
+    assert_close(logp.grad, torch.tensor([[0.0, 0.0], [-s1 / 2, 0.0]]))
+    # with every token of a sequence at the same log-ratio, the sequence ratio is the token ratio
+    same = torch.full((1, 3), 0.05, requires_grad=True)
+    a, _ = ppo_actor_loss(
+        same, torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3), importance_ratio="sequence"
+    )
+    b, _ = ppo_actor_loss(same, torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3))
+    assert_close(a, b)

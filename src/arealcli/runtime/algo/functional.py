@@ -1,6 +1,6 @@
 """The RL math as plain torch functions: rewards, KL, advantages, normalization, losses.
 
-Conventions (see /shared/ALGORITHMS.md for the reference formulas):
+Conventions (each function states its formula in its docstring):
 
 - B = batch rows (sequences), T = padded response length, N = number of sequences (flat), V = vocab.
 - Token-level tensors are right-padded `(B, T)`. `mask (B, T)` (bool or 0/1 float) is 1 on the valid
@@ -180,10 +180,12 @@ def group_normalize(
     divide_std: bool = True,
     leave_one_out: bool = False,
     eps: float = 1e-5,
+    unbiased: bool = False,
 ) -> Tensor:  # (N,)
     """Per-group normalization of sequence scores (GRPO and its variants).
 
-    GRPO:     (s_i - mean_g) / (std_g + eps)           std = population std (unbiased=False)
+    GRPO:     (s_i - mean_g) / (std_g + eps)           std = population std (realhf), or with
+                                                       unbiased=True the n - 1 estimator (TRL, AReaL 1.0)
     Dr.GRPO:  s_i - mean_g                             subtract_mean=True, divide_std=False
     RLOO:     s_i - mean of the OTHER members of g     leave_one_out=True (a group of size 1 -> 0)
     A group whose scores are all identical (including a group of one) gets exactly 0 whenever a
@@ -200,7 +202,8 @@ def group_normalize(
     count = group_sum(torch.ones_like(scores))  # (G,)
     total = group_sum(scores)  # (G,)
     mean = (total / count)[inverse]  # (N,)
-    std = (group_sum((scores - mean) ** 2) / count).sqrt()[inverse]  # (N,)
+    dof = (count - 1).clamp(min=1) if unbiased else count  # (G,) a group of one has std 0 either way
+    std = (group_sum((scores - mean) ** 2) / dof).sqrt()[inverse]  # (N,)
 
     out = scores
     if leave_one_out:
@@ -219,22 +222,26 @@ def group_normalize(
 
 
 def dynamic_sampling_mask(
-    scores: Tensor,  # (N,) in [0, 1], e.g. 1 = correct
+    scores: Tensor,  # (N,) e.g. 1 = correct
     group_ids: Tensor,  # (N,) long
     lower: float = 0.0,
     upper: float = 1.0,
 ) -> Tensor:  # (N,) bool
-    """DAPO dynamic sampling: keep the samples of groups whose mean score r has lower < r < upper.
+    """DAPO dynamic sampling: keep the samples of groups whose scores are not all the same (std > 0)
+    and whose mean score r has lower <= r <= upper.
 
-    With the defaults, all-correct (r = 1) and all-wrong (r = 0) groups -- which carry no GRPO signal --
-    are dropped. The caller refills the batch.
+    A group whose samples all score the same -- all correct, all wrong, or [0.5, 0.5] -- has zero
+    group-normalized advantage and carries no GRPO signal, so it is dropped. The caller refills the batch.
     """
     groups, inverse = torch.unique(group_ids, return_inverse=True)  # inverse (N,): group index 0..G-1
     scores = scores if scores.is_floating_point() else scores.float()
-    total = scores.new_zeros(groups.numel()).index_add(0, inverse, scores)  # (G,)
-    count = scores.new_zeros(groups.numel()).index_add(0, inverse, torch.ones_like(scores))  # (G,)
+    G = groups.numel()
+    total = scores.new_zeros(G).index_add(0, inverse, scores)  # (G,)
+    count = scores.new_zeros(G).index_add(0, inverse, torch.ones_like(scores))  # (G,)
     rate = total / count  # (G,)
-    return ((rate > lower) & (rate < upper))[inverse]
+    high = scores.new_full((G,), float("-inf")).scatter_reduce(0, inverse, scores, "amax")  # (G,)
+    low = scores.new_full((G,), float("inf")).scatter_reduce(0, inverse, scores, "amin")  # (G,)
+    return ((high > low) & (rate >= lower) & (rate <= upper))[inverse]
 
 
 # ----------------------------------------------------------------------------- losses
@@ -279,11 +286,16 @@ def ppo_actor_loss(
     aggregation: str = "token-mean",
     max_len: int | None = None,
     behav_imp_weight_mode: str = "mask",
+    importance_ratio: str = "token",
+    max_log_ratio: float = 20.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped PPO policy loss, with DAPO clip-higher, dual clip and AReaL's decoupled objective.
 
     denom = prox_logp if given (decoupled) else old_logp
-    ratio = exp(logp - denom)
+    log r = clamp(logp - denom, -max_log_ratio, +max_log_ratio)    [20, as verl: exp(30) would be 1e13]
+    ratio = exp(log r)                                  importance_ratio="token" (PPO)
+          = exp(mean_t log r) per sequence, the gradient that of each token's logp
+                                                        importance_ratio="sequence" (GSPO)
     L     = max(-A * ratio, -A * clip(ratio, 1 - eps_clip, 1 + eps_clip_higher))   [higher = eps_clip]
     dual clip (c_clip > 1), for A < 0:  L = min(L, c_clip * |A|)
     decoupled: w = exp(prox_logp - old_logp) (no grad, the behaviour importance weight); L = L * w.
@@ -303,6 +315,8 @@ def ppo_actor_loss(
       ratio_mean, ratio_max (over the tokens that are not capped away), and when decoupled
       behav_imp_weight_mean / _max and behav_imp_weight_capped_frac over every counted token.
     """
+    if importance_ratio not in ("token", "sequence"):
+        raise ValueError(f"importance_ratio must be 'token' or 'sequence', got {importance_ratio!r}")
     if behav_imp_weight_mode not in ("mask", "truncate"):
         raise ValueError(f"behav_imp_weight_mode must be 'mask' or 'truncate', got {behav_imp_weight_mode!r}")
     if c_clip is not None and c_clip <= 1:
@@ -313,7 +327,12 @@ def ppo_actor_loss(
     denom = old_logp if prox_logp is None else prox_logp.detach()
     valid = mask.bool()  # (B, T)
 
-    log_ratio = logp - denom  # (B, T)
+    raw_log_ratio = logp - denom  # (B, T)
+    log_ratio = raw_log_ratio.clamp(-max_log_ratio, max_log_ratio)  # (B, T)
+    if importance_ratio == "sequence":  # GSPO: s_i = exp(mean_t log r_t), d s_i/d logp_t = s_i / |y_i|
+        seq = masked_mean(log_ratio, valid, dim=-1)  # (B,)
+        log_ratio = seq.detach()[:, None] + (logp - logp.detach())  # (B, T) value s_i, grad of logp_t
+        log_ratio = torch.where(valid, log_ratio, torch.zeros_like(log_ratio))
     ratio = torch.exp(log_ratio)  # (B, T)
     loss_unclipped = -advantages * ratio  # (B, T)
     loss_clipped = -advantages * ratio.clamp(1 - eps_clip, 1 + eps_high)  # (B, T)
@@ -346,6 +365,8 @@ def ppo_actor_loss(
     total = aggregate_loss(loss, valid, aggregation, max_len)  # every valid token in the denominator
     with torch.no_grad():
         stats["approx_kl"] = 0.5 * masked_mean(log_ratio.detach() ** 2, counted)
+        clamped = raw_log_ratio.detach().abs() > max_log_ratio
+        stats["log_ratio_clamped_frac"] = masked_mean(clamped.float(), valid)
         stats["clip_frac"] = masked_mean(clipped.float(), counted)
         stats["dual_clip_frac"] = masked_mean(dual_clipped.float(), counted)
         stats["ratio_mean"] = masked_mean(ratio.detach(), counted)

@@ -140,6 +140,7 @@ class PPOActorInterface(ModelInterface):
                 subtract_mean=True,
                 divide_std=a.group_std == "group",
                 leave_one_out=a.leave_one_out,
+                unbiased=a.group_std_estimator == "unbiased",
             )
             if a.group_std == "batch":  # LitePPO: group mean, batch std (over every rank's batch)
                 seq_adv = seq_adv / (dp_std(r.scores) + 1e-5)
@@ -247,13 +248,16 @@ class PPOActorInterface(ModelInterface):
             behav_imp_weight_mode=a.behav_imp_weight_mode,
             aggregation=a.aggregation,
             max_len=a.generation.max_new_tokens,
+            importance_ratio=a.importance_ratio,
         )
         if "ref_logp" in mb.data and self.kl_ctl.value > 0 and not a.shaping.kl_in_reward:
             ref, _ = response_view(mb.data["ref_logp"].to(logits.device), mb)
-            kl = F.masked_mean(F.kl_estimate(logp, ref, a.kl_estimator), mask)
+            # aggregated like the policy loss (TRL, verl): with Dr.GRPO's sum / max_len the KL too
+            kl_tokens = F.kl_estimate(logp, ref, a.kl_estimator)  # (B, T)
+            kl = F.aggregate_loss(kl_tokens, mask, a.aggregation, a.generation.max_new_tokens)
             loss = loss + self.kl_ctl.value * kl
             stats["kl_loss"] = kl.detach()
-        act = answer_token_mask(mb).to(logits.device)
+        act = self._action_mask(mb).to(logits.device)  # responses removed from the loss get no bonus
         with torch.set_grad_enabled(a.entropy_coef > 0):  # only a statistic unless it is in the loss
             ent = F.entropy_from_logits(logits[act].float() / self.temperature)  # (action tokens,)
             ent = ent.mean() if ent.numel() else logits.new_zeros(())

@@ -1,6 +1,6 @@
 """Rule-based math reward: extract the final answer, normalize it, compare it with the references.
 
-Pipeline (see ALGORITHMS.md, "Rule-based math reward"):
+Pipeline:
 
 1. ``extract_answer``: the last ``\\boxed{...}`` / ``\\fbox{...}`` (brace-matched), else a
    "the answer is X" / "answer: X" / "#### X" line, else the last number in the text.

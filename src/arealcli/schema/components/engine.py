@@ -19,7 +19,9 @@ class OptimizerConfig(StrictModel):
     beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="Decay after warmup, over the run's optimizer steps."
+        "constant",
+        description="Decay after warmup, over the run's training steps (one schedule step per trainer step, "
+        "whatever the number of minibatches in it).",
     )
     warmup_steps_proportion: float = Field(
         0.0, ge=0, le=1, description="Fraction of steps spent in linear warmup."

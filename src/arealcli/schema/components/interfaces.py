@@ -75,9 +75,13 @@ class PPOActorArgs(StrictModel):
         "group",
         description="With adv_norm=group: divide by the group std, the batch std (LitePPO), or not (Dr.GRPO).",
     )
+    group_std_estimator: Literal["population", "unbiased"] = Field(
+        "population",
+        description="With group std: population std (realhf) or the n - 1 estimator (TRL, AReaL 1.0).",
+    )
     leave_one_out: bool = Field(False, description="With adv_norm=group: RLOO baseline (mean of the others).")
     dynamic_sampling: bool = Field(
-        False, description="DAPO: drop prompt groups whose samples all score the same."
+        False, description="DAPO: drop prompt groups whose samples all score the same (std 0)."
     )
     # --- loss
     eps_clip: float = Field(
@@ -100,7 +104,15 @@ class PPOActorArgs(StrictModel):
     )
     sample_reuse: PositiveInt = Field(1, le=1024, description="Passes over the batch (PPO epochs).")
     early_stop_imp_ratio: float | None = Field(
-        None, gt=1, description="Skip a minibatch whose mean ratio exceeds this."
+        None,
+        gt=1,
+        description="Zero the loss of a micro-batch whose mean ratio exceeds this (its gradient is 0; the "
+        "optimizer step of the minibatch still runs on the other micro-batches).",
+    )
+    importance_ratio: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: PPO's per-token ratio; sequence: GSPO's per-sequence ratio exp(mean log r) "
+        "(use with aggregation seq-mean-token-mean and a small eps_clip, e.g. 3e-4).",
     )
     use_decoupled_loss: bool = Field(
         False,

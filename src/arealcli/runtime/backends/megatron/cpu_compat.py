@@ -4,7 +4,7 @@ megatron-core assumes CUDA in a handful of places that the local (non-TE) GPT pa
 workaround for that lives in this module and nowhere else, and each one is a no-op when
 ``torch.cuda.is_available()``: on a GPU megatron runs unpatched.
 
-The workarounds (see /work/shared/ENVIRONMENT.md, "megatron-core"):
+The workarounds (each found by running megatron-core 0.16 on CPU under torchrun/gloo):
 
 1. RNG tracker: ``model_parallel_cuda_manual_seed`` snapshots CUDA RNG states. On CPU we ask for
    megatron's inference tracker (``inference_rng_tracker=True``), whose ``fork()`` is a null context.
