@@ -111,3 +111,37 @@ def test_quickstart_server_end_to_end(cli, tmp_path):
     port = int(re.search(r"http://127\.0\.0\.1:(\d+)", log).group(1))
     with pytest.raises(OSError):  # the server was stopped with the run
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_resume_after_running_past_the_checkpoint_keeps_the_new_export(ws):
+    """Interrupted two or more steps after its last checkpoint, a run leaves newer weight exports behind;
+    the resumed run's first export (older than those) must survive the pruning that follows it."""
+    follower = {"init_from": "actor", "weights_from": "actor", "backend": {"type_": "hf"}}
+    path = grpo_recipe(ws, follower, trainer={"max_steps": 9, "save_every_n_steps": 3, "tensorboard": False})
+    run = ws.root / "run"
+
+    def crash_after_8(step, total, stats, log_now):
+        if step == 8:
+            raise _Crash
+
+    trainer = Trainer(validate(load_recipe_source(path)), path.parent, run)
+    trainer.progress = crash_after_8
+    trainer.setup()
+    with pytest.raises(_Crash):
+        trainer.train()
+    trainer.close()
+    assert sorted(p.name for p in (run / "weights" / "actor").iterdir()) == ["v7", "v8"]
+
+    resumed = Trainer(validate(load_recipe_source(path)), path.parent, run, resume=True)
+    try:
+        resumed.setup()  # resumes at step 6: exports v6; v7 and v8 are leftovers of the crashed run
+        assert sorted(p.name for p in (run / "weights" / "actor").iterdir()) == ["v6"]
+        resumed.train()
+    finally:
+        resumed.close()
+    assert resumed.global_step == 9
+    assert sorted(p.name for p in (run / "weights" / "actor").iterdir()) == ["v8", "v9"]

@@ -59,10 +59,13 @@ class WeightSync:
         if distributed.rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-            older = sorted(
-                (p for p in root.glob("v*") if p.name[1:].isdigit()), key=lambda p: int(p.name[1:])
-            )
-            for old in older[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            exports = {int(p.name[1:]): p for p in root.glob("v*") if p.name[1:].isdigit()}
+            # Newer than this one: left by a run that went past the checkpoint it was resumed from.
+            # Of the rest, the newest `keep_last` stay (this one always).
+            newer = [p for v, p in exports.items() if v > version]
+            kept = sorted(v for v in exports if v <= version)[-self.keep_last :]
+            for v, old in exports.items():
+                if old in newer or v not in kept:
+                    shutil.rmtree(old, ignore_errors=True)
         distributed.barrier()
         return final
