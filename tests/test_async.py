@@ -255,7 +255,10 @@ def test_kill_9_during_async_run_then_resume(ws):
     assert all(t - first <= 2 for t, first, _ in lags(run_dir))
 
 
-def test_ctrl_c_stops_an_async_run_within_seconds(ws):
+@pytest.mark.parametrize(
+    "sig, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")]
+)
+def test_ctrl_c_and_sigterm_stop_an_async_run_within_seconds(ws, sig, code, said):
     path = grpo(ws, gen=LOCAL_GEN, staleness=2, reward_fn="exact_match", trainer={"max_steps": 5000})
     run_dir = ws.root / "run"
     cmd = [sys.executable, "-m", "arealcli.main", "train", str(path), "-o", str(run_dir)]
@@ -266,12 +269,12 @@ def test_ctrl_c_stops_an_async_run_within_seconds(ws):
         if m.exists() and len(m.read_text().splitlines()) >= 5:
             break
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     t0 = time.time()
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 130, out[-2000:]
+    assert proc.returncode == code, out[-2000:]
     assert time.time() - t0 < 10
-    assert "interrupted: the last complete checkpoint is kept" in out and "Traceback" not in out
+    assert f"{said}: the last complete checkpoint is kept" in out and "Traceback" not in out
 
 
 # --------------------------------------------------------------------------- checks

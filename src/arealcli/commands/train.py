@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 from pathlib import Path
 
 import typer
@@ -138,10 +139,19 @@ def train(
     console.print(f"done: {result.global_step} steps on {world} processes; run directory {run_dir}")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what Slurm and Kubernetes send): stopped like Ctrl-C."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated
+
+
 def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
     from arealcli.runtime.progress import ConsoleProgress
     from arealcli.runtime.trainer import Trainer
 
+    signal.signal(signal.SIGTERM, _on_sigterm)
     trainer = Trainer(resolved, recipe.resolve().parent, run_dir, resume=resume)
     with ConsoleProgress(console, resolved.experiment) as progress:
         trainer.progress = progress.update
@@ -153,9 +163,10 @@ def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
                 console.print(f"resuming from {trainer.resumed_from} (step {trainer.global_step})")
             progress.start(trainer.global_step, trainer.total_steps)
             trainer.train()
-        except KeyboardInterrupt:
-            err_console.print("interrupted: the last complete checkpoint is kept; continue with --resume")
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as e:
+            why = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+            err_console.print(f"{why}: the last complete checkpoint is kept; continue with --resume")
+            raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
         except UserError as e:
             raise fail([str(e)]) from None
         finally:

@@ -55,6 +55,7 @@ class RolloutProducer:
         self._published = start  # the weights after step `_published - 1` are on the generation model
         self._futures: dict[int, Future] = {}
         self._stopped = False
+        self._workers: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._loop, name="rollout-producer", daemon=True)
         self.started_at: dict[int, int] = {}  # step -> published step when its generation started
 
@@ -85,6 +86,7 @@ class RolloutProducer:
                         target=self._produce, args=(step, future), name=f"rollout-{step}", daemon=True
                     )
                     worker.start()
+                    self._workers.append(worker)
                     self._cv.notify_all()
             step += 1
 
@@ -95,10 +97,12 @@ class RolloutProducer:
         try:
             batch, stats = run_calls(self.calls, self.batch_of(step), step)
         except BaseException as e:  # raised in the trainer by take()
-            future.set_exception(e)
+            if not self._stopped:  # after a stop, failing requests are the shutdown itself
+                future.set_exception(e)
             return
         stats["rollout/produce_s"] = time.perf_counter() - t0
-        future.set_result((batch, stats))
+        if not self._stopped:
+            future.set_result((batch, stats))
 
     # ------------------------------------------------------------------ trainer side
 
@@ -137,3 +141,10 @@ class RolloutProducer:
             for future in self._futures.values():
                 future.cancel()
             self._cv.notify_all()
+
+    def join(self, timeout: float = 10.0) -> None:
+        """Wait (bounded) for the workers to end after `stop` and the engines' shutdown: no thread may be
+        inside torch when the interpreter exits."""
+        deadline = time.monotonic() + timeout
+        for worker in self._workers:
+            worker.join(max(0.0, deadline - time.monotonic()))

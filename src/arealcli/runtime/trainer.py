@@ -269,6 +269,8 @@ class Trainer:
         for model in getattr(self, "models", {}).values():
             if model.backend is not None:
                 model.backend.destroy(model)
+        if getattr(self, "producer", None) is not None:
+            self.producer.join()  # its workers end once the engines they waited on are closed
 
 
 def check_finite(stats: dict[str, float], step: int, saved_step: int | None) -> None:
