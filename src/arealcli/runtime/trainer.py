@@ -64,12 +64,23 @@ class Trainer:
         r = self.recipe
         seed_rank(r.seed, self.rank)  # weights are seeded per model (the same on every rank)
         self.ckpt_root = self.run_dir / "checkpoints"
-        resume_from = ckpt.latest_checkpoint(self.ckpt_root, cleanup=self.rank == 0) if self.resume else None
+        resume_from, self.notes = None, []
+        if self.resume:
+            resume_from, damaged = ckpt.resume_checkpoint(self.ckpt_root, cleanup=self.rank == 0)
+            for problem in damaged:
+                self.notes.append(
+                    f"skipping a damaged checkpoint: {problem}; resuming from {resume_from.name}"
+                )
+            distributed.barrier()
+            if self.rank == 0:  # set aside (kept for inspection), never picked up or pruned in its place
+                for problem in damaged:
+                    bad = Path(problem.split(": ", 1)[0])
+                    bad.rename(bad.with_name(f"damaged-{bad.name}"))
 
         first_path = next((m.path for m in r.models.values() if m.path), None)
         self.tokenizer = load_tokenizer(r.tokenizer, first_path and self._resolve(first_path))
         self.dataset = make_dataset(r.dataset, self.tokenizer, str(self.recipe_dir))
-        self.notes = list(getattr(self.dataset, "notes", []))  # rows dropped or cut, for the console
+        self.notes += getattr(self.dataset, "notes", [])  # rows dropped or cut, for the console
         self.batches = Batches(self.dataset, r.dataset.batch_size, r.dataset.shuffle, r.seed)
         self.eval_batches = None
         if r.eval_dataset is not None:
@@ -98,11 +109,13 @@ class Trainer:
         for name in model_build_order(r):
             module = raw[name]
             if resume_from is not None and name in self.trained:
-                ckpt.load_hf_weights(module, resume_from / name)
+                with ckpt.reading(resume_from / name):
+                    ckpt.load_hf_weights(module, resume_from / name)
             model = Model(name, module, self.tokenizer)
             model = make_backend(r.models[name].backend).initialize(model, spec)
             if resume_from is not None and name in self.trained:
-                model.backend.load(model, str(resume_from / name))
+                with ckpt.reading(resume_from / name):
+                    model.backend.load(model, str(resume_from / name))
             self.models[name] = model
 
         if r.dataset.batch_size % distributed.dp_world():  # known once the backends are set up
@@ -113,7 +126,8 @@ class Trainer:
             for c in r.dataflow.calls
         ]
         if resume_from is not None:
-            state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+            with ckpt.reading(resume_from / "trainer_state.pt"):
+                state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
             self.global_step = state["global_step"]
             for name, version in state["versions"].items():
                 self.models[name].version.__dict__.update(version)

@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from arealcli.errors import UserError
 from arealcli.runtime import distributed
+from arealcli.runtime.checkpoint import is_disk_full
 from arealcli.runtime.model import Model
 from arealcli.schema.recipe import Recipe
 
@@ -54,7 +56,15 @@ class WeightSync:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         distributed.barrier()
-        self.models[src].module.save_to_hf(self.tokenizer, str(tmp))  # collective for sharded backends
+        try:
+            self.models[src].module.save_to_hf(self.tokenizer, str(tmp))  # collective for sharded backends
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(e, root):
+                raise UserError(
+                    f"no space left on {root} while exporting {src}'s weights (version {version})"
+                ) from None
+            raise
         distributed.barrier()
         if distributed.rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
