@@ -416,6 +416,47 @@ def test_server_killed_mid_rollout(model_dir, tmp_path, loop):
         launcher.stop(servers)
 
 
+def test_stuck_servers_are_given_up_within_the_stall_timeout(model_dir, tmp_path, loop):
+    """SIGSTOP: the process is alive (connections are accepted) but answers nothing. Its requests move to
+    the other server; with none left, a clear error comes after ~stall_timeout_s, not request_timeout_s."""
+    servers = start_servers(model_dir, tmp_path, n=2)
+    a, b = servers
+    try:
+        params = sampling_params(GenerationHyperparameters(max_new_tokens=12, min_new_tokens=12), [], n=1)
+
+        def client(addresses):
+            return loop.client(addresses, stall_timeout_s=2, health_interval_s=0.5, request_timeout_s=600)
+
+        def rollout(c: GenerationClient):
+            async def run():
+                return await asyncio.gather(*(c.generate([20 + i, 21], params, 2) for i in range(8)))
+
+            return loop.run(run())
+
+        post(a, "/slow_down", {"forward_sleep_time": 0.05})
+        thread, box = run_in_thread(lambda: rollout(client([a.address, b.address])))
+        time.sleep(0.6)
+        os.killpg(a.proc.pid, signal.SIGSTOP)
+        thread.join(60)
+        assert not thread.is_alive() and "err" not in box, box.get("err")
+        assert all(len(s.output_ids) == 12 for group in box["out"] for s in group)
+
+        post(b, "/slow_down", {"forward_sleep_time": 0.05})
+        thread, box = run_in_thread(lambda: rollout(client([b.address])))
+        time.sleep(0.6)
+        os.killpg(b.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        thread.join(60)
+        assert not thread.is_alive() and time.monotonic() - t0 < 10
+        err = box.get("err")
+        assert isinstance(err, GenerationServerError), err
+        assert "stopped answering: no /health answer for 2 s" in str(err)
+    finally:
+        for s in servers:
+            os.killpg(s.proc.pid, signal.SIGCONT)
+        launcher.stop(servers)
+
+
 def test_serve_refuses_a_directory_without_a_model(cli, tmp_path):
     result = cli("serve", "--model", tmp_path)
     assert result.exit_code == 2 and "not a Hugging Face model directory" in result.output

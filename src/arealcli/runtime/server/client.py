@@ -5,6 +5,9 @@
 - Connection failures (refused, reset, a server that died mid-request, HTTP 5xx) move the request to
   another server, with exponential backoff when none is left; a read timeout is an error at once. Every
   failure is bounded: never a hang.
+- A server that is alive but stops answering (stopped, hung): while a request waits, its /health is
+  probed every `health_interval_s`; no answer for `stall_timeout_s` gives the server up for good and
+  the request goes to another one (or fails with that reason), long before `request_timeout_s`.
 - A sample aborted by a weight update is re-sent with the tokens it generated appended to the prompt and
   `max_new_tokens` reduced by as many (GroupGenerator); its output and log-probs are the concatenation.
 """
@@ -39,7 +42,10 @@ class _Server:
     requests: int = 0  # sent so far (tie-break of the load balancer)
     in_flight: int = 0
     down_until: float = 0.0  # after a connection failure, others are preferred until then
-    stale: bool = False  # missed a weight update: never used again
+    stale: bool = False  # missed a weight update, or stopped answering: never used again
+    healthy_at: float = 0.0  # when /health last answered (monotonic)
+    probed_at: float = 0.0  # when the last /health probe started
+    probe: Any = None  # the /health probe in flight (an asyncio task), shared by every watcher
 
     @property
     def url(self) -> str:
@@ -105,6 +111,8 @@ class GenerationClient(GroupGenerator):
         max_concurrent_requests: int = 256,
         max_abort_resends: int = 8,
         why_down: Callable[[str], str | None] | None = None,
+        stall_timeout_s: float = 30.0,
+        health_interval_s: float = 5.0,
     ):
         if not addresses:
             raise ValueError("a generation client needs at least one server address")
@@ -112,6 +120,7 @@ class GenerationClient(GroupGenerator):
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
         self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
         self.max_concurrent_requests, self.max_abort_resends = max_concurrent_requests, max_abort_resends
+        self.stall_timeout_s, self.health_interval_s = stall_timeout_s, min(health_interval_s, stall_timeout_s)
         self.why_down = why_down or (lambda address: None)  # e.g. "the process exited (code -9); log: ..."
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
@@ -157,6 +166,45 @@ class GenerationClient(GroupGenerator):
             raise _Retryable(f"HTTP {answer.status}: {answer.error_message()}")
         return answer
 
+    async def _send_watched(self, s: _Server, method: str, path: str, payload: Any = None) -> _Answer:
+        """`_send` to `s`, watching the server while the answer is awaited: a server whose /health has not
+        answered for `stall_timeout_s` (alive but not answering: stopped, hung) is given up for good
+        (_Retryable), however long the request itself may legitimately take (`request_timeout_s`)."""
+        task = asyncio.ensure_future(self._send(method, s.url + path, payload))
+        s.healthy_at = max(s.healthy_at, time.monotonic())  # the stall window starts with the request
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.health_interval_s)
+                if done:
+                    return task.result()
+                if time.monotonic() - await self._healthy_at(s) > self.stall_timeout_s:
+                    s.stale = True
+                    raise _Retryable(
+                        f"stopped answering: no /health answer for {self.stall_timeout_s:g} s (stall_timeout_s); "
+                        "the server is alive but stuck, or overloaded"
+                    )
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _healthy_at(self, s: _Server) -> float:
+        """When `s` last answered /health; probes it (one probe at a time, shared) when due."""
+        now = time.monotonic()
+        if (s.probe is None or s.probe.done()) and now - s.probed_at >= self.health_interval_s:
+            s.probed_at = now
+            s.probe = asyncio.ensure_future(self._probe(s))
+        if s.probe is not None and not s.probe.done():
+            await asyncio.wait({s.probe}, timeout=self.health_interval_s)
+        return s.healthy_at
+
+    async def _probe(self, s: _Server) -> None:
+        try:
+            answer = await self._send("GET", s.url + "/health", timeout=self.health_interval_s)
+        except (_Retryable, TimeoutError):
+            return
+        if answer.status == 200:
+            s.healthy_at = time.monotonic()
+
     def _pick(self, tried: set[str]) -> _Server | None:
         live = [s for s in self.servers if not s.stale]
         now = time.monotonic()
@@ -180,7 +228,7 @@ class GenerationClient(GroupGenerator):
             s.in_flight += 1
             s.requests += 1
             try:
-                answer = await self._send("POST", s.url + path, payload)
+                answer = await self._send_watched(s, "POST", path, payload)
             except TimeoutError:
                 raise GenerationServerError(
                     f"{path} on {s.address} got no answer within request_timeout_s={self.request_timeout_s:g} s; "
@@ -243,7 +291,7 @@ class GenerationClient(GroupGenerator):
         live = [s for s in self.servers if not s.stale]
 
         async def one(s: _Server) -> Any:
-            answer = await self._send("POST", s.url + "/update_weights_from_disk", payload)
+            answer = await self._send_watched(s, "POST", "/update_weights_from_disk", payload)
             return _json_or_raise(answer, s.address, "/update_weights_from_disk", allow_400=True)
 
         results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)

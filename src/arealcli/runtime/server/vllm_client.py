@@ -245,7 +245,7 @@ class VLLMClient(GenerationClient):
             self._open.set()
 
     async def _reload_one(self, s: _Server, path: str, version: int) -> None:
-        answer = await self._send("POST", s.url + "/pause?mode=wait")
+        answer = await self._send_watched(s, "POST", "/pause?mode=wait")
         if answer.status == 404:
             raise GenerationServerError(
                 f"{s.address} has no /pause endpoint: start vLLM with VLLM_SERVER_DEV_MODE=1 so it accepts "
@@ -254,8 +254,8 @@ class VLLMClient(GenerationClient):
         _check(answer, s, "/pause")
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-            _check(await self._send("POST", s.url + "/collective_rpc", rpc), s, "/collective_rpc")
-            reset = _check(await self._send("POST", s.url + "/reset_prefix_cache"), s, "/reset_prefix_cache")
+            _check(await self._send_watched(s, "POST", "/collective_rpc", rpc), s, "/collective_rpc")
+            reset = _check(await self._send_watched(s, "POST", "/reset_prefix_cache"), s, "/reset_prefix_cache")
             if not reset.get("success"):
                 raise GenerationServerError(f"{s.address} could not reset its prefix cache after the reload")
             body = {"new_version": str(version)}

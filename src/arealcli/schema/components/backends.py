@@ -141,6 +141,13 @@ class ServerFleetArgs(StrictModel):
         600.0, gt=0, description="Longest wait for one generation request or weight-update answer."
     )
     connect_timeout_s: float = Field(10.0, gt=0, description="Longest wait to connect to a server.")
+    stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=86400,
+        description="A server whose /health does not answer for this long while a request waits is given up "
+        "(stuck: alive but not answering); the request moves to another server or fails.",
+    )
     max_retries: int = Field(
         3, ge=0, description="Re-sends of a request after connection failures (to another server if any)."
     )
@@ -157,6 +164,7 @@ class ServerFleetArgs(StrictModel):
         return {
             "request_timeout_s": self.request_timeout_s,
             "connect_timeout_s": self.connect_timeout_s,
+            "stall_timeout_s": self.stall_timeout_s,
             "max_retries": self.max_retries,
             "retry_backoff_s": self.retry_backoff_s,
             "max_concurrent_requests": self.max_concurrent_requests,
