@@ -148,11 +148,15 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
+    from arealcli.runtime import threads
     from arealcli.runtime.progress import ConsoleProgress
     from arealcli.runtime.trainer import Trainer
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     trainer = Trainer(resolved, recipe.resolve().parent, run_dir, resume=resume)
+    if threads.enabled():  # torch threads = the cores other processes leave free (re-measured as it runs)
+        trainer.thread_policy = threads.ThreadPolicy()
+        trainer.thread_policy.measure_now()
     with ConsoleProgress(console, resolved.experiment) as progress:
         trainer.progress = progress.update
         try:

@@ -51,6 +51,7 @@ class Trainer:
     def __init__(self, recipe: Recipe, recipe_dir: Path, run_dir: Path, resume: bool = False, progress=None):
         self.recipe, self.recipe_dir, self.run_dir, self.resume = recipe, recipe_dir, run_dir, resume
         self.progress = progress  # callable(step, total, stats) for the console, or None
+        self.thread_policy = None  # runtime.threads.ThreadPolicy: torch threads follow the free cores
         self.global_step = 0
         self.rank, self.world = distributed.rank(), distributed.world()
         self.saved_step: int | None = None
@@ -198,6 +199,9 @@ class Trainer:
                         [row for part in rows for row in part],
                     )
             stats.update({"epoch": epoch, "timing/step_s": time.perf_counter() - t0})
+            if self.thread_policy is not None:
+                stats["sys/torch_threads"] = float(self.thread_policy.update())
+                stats["sys/other_load"] = self.thread_policy.other_load
             stats = distributed.mean_over_ranks(stats)
             check_finite(stats, self.global_step, self.saved_step)
             last_step = self.global_step == self.total_steps

@@ -120,7 +120,10 @@ class GenerationClient(GroupGenerator):
         self.request_timeout_s, self.connect_timeout_s = request_timeout_s, connect_timeout_s
         self.max_retries, self.retry_backoff_s = max_retries, retry_backoff_s
         self.max_concurrent_requests, self.max_abort_resends = max_concurrent_requests, max_abort_resends
-        self.stall_timeout_s, self.health_interval_s = stall_timeout_s, min(health_interval_s, stall_timeout_s)
+        self.stall_timeout_s, self.health_interval_s = (
+            stall_timeout_s,
+            min(health_interval_s, stall_timeout_s),
+        )
         self.why_down = why_down or (lambda address: None)  # e.g. "the process exited (code -9); log: ..."
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None

@@ -255,7 +255,9 @@ class VLLMClient(GenerationClient):
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
             _check(await self._send_watched(s, "POST", "/collective_rpc", rpc), s, "/collective_rpc")
-            reset = _check(await self._send_watched(s, "POST", "/reset_prefix_cache"), s, "/reset_prefix_cache")
+            reset = _check(
+                await self._send_watched(s, "POST", "/reset_prefix_cache"), s, "/reset_prefix_cache"
+            )
             if not reset.get("success"):
                 raise GenerationServerError(f"{s.address} could not reset its prefix cache after the reload")
             body = {"new_version": str(version)}
