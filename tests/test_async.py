@@ -318,8 +318,8 @@ def test_plan_shows_the_two_sides(ws, cli):
     out = " ".join(result.stdout.split())
     assert "rollout: asynchronous, max_staleness 2" in out
     assert (
-        "rollout side, ahead on a background thread: actor_gen, reward; training side: sft_warmup, actor_train"
-        in out
+        "rollout side, ahead on a background thread: actor_gen, reward; "
+        "training side: sft_warmup, returns, actor_train" in out
     )
 
 

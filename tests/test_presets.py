@@ -17,8 +17,9 @@ def _calls(path, *overrides):
 
 def test_grpo_preset_graph():
     calls = _calls(REPO / "recipes" / "quickstart.yaml")
-    assert [c.name for c in calls] == ["sft_warmup", "actor_gen", "reward", "actor_train"]
-    warm, gen, reward, train = calls
+    assert [c.name for c in calls] == ["sft_warmup", "actor_gen", "reward", "returns", "actor_train"]
+    warm, gen, reward, returns, train = calls
+    assert returns.model is None and set(returns.outputs) <= set(train.inputs)
     assert warm.end_step == gen.start_step == train.start_step > 0
     assert reward.model is None and reward.interface.type_ == "reward"
     assert set(gen.outputs) <= set(train.inputs)
@@ -38,9 +39,17 @@ def test_ppo_preset_adds_critic_and_reference(tmp_path):
         "reward",
         "ref_inf",
         "critic_inf",
+        "returns",
         "actor_train",
         "critic_train",
     ]
+    # rewards -> advantages and returns once: the actor and the critic get the same ones
+    assert {"advantages", "returns", "kl_coef"} <= set(calls["actor_train"].inputs)
+    assert {"advantages", "returns", "kl_coef"} <= set(calls["critic_train"].inputs)
+    # the critic's targets keep the critic's own lambda
+    assert calls["returns"].interface.args.returns_lambda == recipe["dataflow"]["critic"].get(
+        "gae_lambda", 0.95
+    )
     assert calls["ref_inf"].output_key_remap == {"packed_logprobs": "packed_ref_logprobs"}
     assert {"values", "packed_ref_logprobs"} <= set(calls["actor_train"].inputs)
 

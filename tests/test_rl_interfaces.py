@@ -137,3 +137,61 @@ def test_reward_interface_scores_with_registered_function(char_tok):
         Model("r", None, char_tok), data, MicroBatchSpec()
     )
     assert out.data["rewards"].tolist() == [1.0, 0.0]
+
+
+def test_returns_are_computed_once_for_actor_and_critic(char_tok, actor):
+    """The `returns` call: one adaptive KL controller; the actor and the critic use its coefficient and
+    its advantages / returns (before, the critic used the fixed initial coefficient)."""
+    from arealcli.runtime.interfaces.returns import ReturnsInterface
+    from arealcli.schema.components.interfaces import ReturnsArgs
+
+    _, data = _rollout(char_tok, actor, [1, 0, 0, 0, 0, 0, 0, 1])
+    ref = engine_model(char_tok, tiny_module(char_tok, seed=9, tie_word_embeddings=False))
+    ref_iface = PPOActorInterface(PPOActorArgs(generation={"n": 4, "max_new_tokens": 3}))
+    ref_lp = ref_iface.inference(ref, data, MicroBatchSpec())
+    data.data["packed_ref_logprobs"] = ref_lp.data["packed_logprobs"]
+    data.seqlens["packed_ref_logprobs"] = ref_lp.seqlens["packed_logprobs"]
+    shaping = {"kl_ctl": 0.5, "kl_in_reward": True}
+    returns = ReturnsInterface(
+        ReturnsArgs(shaping=shaping, adaptive_kl_target=1e-3, adaptive_kl_horizon=10, max_new_tokens=3)
+    )
+    first = returns.inference(None, data, MicroBatchSpec())
+    assert first.meta["kl_coef"][0] == 0.5 and first.stats["kl_ref"] > 1e-3
+    second = returns.inference(None, data, MicroBatchSpec())
+    coef = second.meta["kl_coef"][0]
+    assert coef > 0.5  # the controller raised it (KL above target)
+    data.update_(second)
+
+    # by hand: the KL in the reward with the controller's current coefficient, GAE with lambda 1
+    want = compute_returns(
+        data.select(
+            [
+                "packed_input_ids",
+                "prompt_mask",
+                "packed_logprobs",
+                "seq_no_eos_mask",
+                "rewards",
+                "packed_ref_logprobs",
+            ]
+        ),
+        ReturnsArgs(shaping=shaping).shaping,
+        1.0,
+        coef,
+        3,
+    )
+    got, _ = response_view(data.data["returns"], data)
+    torch.testing.assert_close(got[want.mask], want.returns[want.mask])
+
+    actor_iface = PPOActorInterface(
+        PPOActorArgs(
+            generation={"n": 4, "max_new_tokens": 3}, adv_norm="batch", shaping={"kl_in_reward": True}
+        )
+    )
+    stats = actor_iface.train_step(actor, data, MicroBatchSpec())
+    assert stats["kl_coef"] == coef  # the actor follows the returns call's controller
+
+    critic = engine_model(char_tok, with_value_head(tiny_module(char_tok, seed=4), seed=0))
+    data.update_(PPOCriticInterface(PPOCriticArgs()).inference(critic, data, MicroBatchSpec()))
+    data.data["returns"] = torch.full_like(data.data["returns"], 0.25)  # what the critic is given
+    cstats = PPOCriticInterface(PPOCriticArgs()).train_step(critic, data, MicroBatchSpec())
+    assert abs(cstats["returns_mean"] - 0.25) < 1e-6  # it trains on the provided returns

@@ -16,14 +16,31 @@ from arealcli.schema.components.backends import (
     VLLMBackendArgs,
 )
 from arealcli.schema.components.datasets import PromptAnswerArgs
-from arealcli.schema.components.interfaces import PPOActorArgs, PPOCriticArgs, RewardArgs, SFTArgs
+from arealcli.schema.components.interfaces import (
+    PPOActorArgs,
+    PPOCriticArgs,
+    ReturnsArgs,
+    RewardArgs,
+    SFTArgs,
+)
 from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, REWARDS, Entry
 
 _R = "arealcli.runtime"
 
 
-def _interface(name, target, args, description, call_types, needs_model=True):
-    INTERFACES.add(Entry(name, target, args, description, "builtin", frozenset(call_types), needs_model))
+def _interface(name, target, args, description, call_types, needs_model=True, training_side=False):
+    INTERFACES.add(
+        Entry(
+            name,
+            target,
+            args,
+            description,
+            "builtin",
+            frozenset(call_types),
+            needs_model,
+            training_side=training_side,
+        )
+    )
 
 
 _interface("sft", f"{_R}.interfaces.sft:SFTInterface", SFTArgs, SFTArgs.__doc__, ["train_step"])
@@ -40,6 +57,15 @@ _interface(
     PPOCriticArgs,
     PPOCriticArgs.__doc__,
     ["inference", "train_step"],
+)
+_interface(
+    "returns",
+    f"{_R}.interfaces.returns:ReturnsInterface",
+    ReturnsArgs,
+    ReturnsArgs.__doc__,
+    ["inference"],
+    needs_model=False,
+    training_side=True,
 )
 _interface(
     "reward",

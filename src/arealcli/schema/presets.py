@@ -54,6 +54,23 @@ def _call(name, model, type_, args, call_type, inputs, outputs, mb_spec, **extra
     return call
 
 
+RETURNS_OUT = ["advantages", "returns", "seq_scores", "kl_coef"]
+# `returns` args taken from the actor's block (and the critic's lambda for ppo's returns)
+RETURNS_FROM_ACTOR = ("shaping", "gae_lambda", "adaptive_kl_target", "adaptive_kl_horizon")
+
+
+def returns_args(actor: dict[str, Any], critic: dict[str, Any], preset: str) -> dict[str, Any]:
+    args = {k: actor[k] for k in RETURNS_FROM_ACTOR if k in actor}
+    generation = actor.get("generation")
+    if isinstance(generation, dict) and "max_new_tokens" in generation:
+        args["max_new_tokens"] = generation["max_new_tokens"]
+    elif generation is None or isinstance(generation, dict):
+        args["max_new_tokens"] = 16  # GenerationHyperparameters' default
+    if preset == "ppo":
+        args["returns_lambda"] = critic.get("gae_lambda", 0.95)  # PPOCriticArgs' default
+    return args
+
+
 def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """Calls of a preset, and for each call index the preset key its interface args came from."""
     preset = df["preset"]
@@ -146,6 +163,9 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
         )
         train_inputs.append("packed_prox_logprobs")
     critic = {**(df.get("critic") or {}), **({"shaping": shaping} if shaping else {})}
+    returns_inputs = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "rewards"]
+    if "ref" in models:
+        returns_inputs.append("packed_ref_logprobs")
     if preset == "ppo":
         origin[len(calls)] = "critic"
         calls.append(
@@ -162,6 +182,15 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
             )
         )
         train_inputs.append("values")
+        returns_inputs.append("values")
+    # rewards -> advantages and returns, once, for the actor and the critic (one KL controller)
+    calls.append(
+        _call(
+            "returns", None, "returns", returns_args(actor, critic, preset), "inference",
+            returns_inputs, RETURNS_OUT, mb, **rl,
+        )
+    )  # fmt: skip
+    train_inputs += RETURNS_OUT
     origin[len(calls)] = "actor"
     calls.append(_call("actor_train", "actor", "ppo_actor", actor, "train_step", train_inputs, [], mb, **rl))
     if preset == "ppo":
@@ -229,6 +258,14 @@ def expand_in_place(src: Located) -> list[tuple[Path_, str]]:
             src.aliases[here + ("interface", "args")] = ("dataflow", origin[i])
             if origin[i] in ("actor", "critic") and "shaping" in df:
                 src.aliases[here + ("interface", "args", "shaping")] = ("dataflow", "shaping")
+        if call["name"] == "returns":  # its args came from the actor's block (and the critic's lambda)
+            args = here + ("interface", "args")
+            for key in RETURNS_FROM_ACTOR:
+                src.aliases[args + (key,)] = ("dataflow", "actor", key)
+            src.aliases[args + ("max_new_tokens",)] = ("dataflow", "actor", "generation", "max_new_tokens")
+            src.aliases[args + ("returns_lambda",)] = ("dataflow", "critic", "gae_lambda")
+            if "shaping" in df:
+                src.aliases[args + ("shaping",)] = ("dataflow", "shaping")
         if call.get("end_step") is not None or call.get("start_step"):
             src.aliases[here + ("end_step",)] = src.aliases[here + ("start_step",)] = (
                 "dataflow",

@@ -119,8 +119,18 @@ class CallSpec(StrictModel):
 
 
 def on_rollout_side(call: CallSpec) -> bool:
-    """Generate calls and weightless inference calls (rewards) make rollouts; the rest trains."""
-    return call.type == "generate" or (call.type == "inference" and call.model is None)
+    """Generate calls and weightless inference calls (rewards) make rollouts; the rest trains, and so do
+    weightless interfaces that keep training state (`returns`: its KL controller follows the trainer)."""
+    if call.type == "generate":
+        return True
+    if call.type != "inference" or call.model is not None:
+        return False
+    from arealcli.schema.registry import INTERFACES, RegistryError
+
+    try:
+        return not INTERFACES.get(call.interface.type_).training_side
+    except RegistryError:
+        return True
 
 
 class DataflowSpec(StrictModel):

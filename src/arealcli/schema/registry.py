@@ -38,6 +38,9 @@ class Entry:
     # Interfaces only: the call types the interface implements, and whether it needs model weights.
     call_types: frozenset[str] = field(default_factory=frozenset)
     needs_model: bool = True
+    # A weightless interface that must follow the trainer (it keeps training state, e.g. a KL
+    # controller): with asynchronous rollout it runs on the training side, not ahead with the rewards.
+    training_side: bool = False
     # Datasets only: the data keys every batch provides (tensor keys and meta keys).
     data_keys: frozenset[str] = field(default_factory=frozenset)
     # Backends only: what their engine can do (BACKEND_CAPABILITIES).
@@ -130,6 +133,7 @@ def register_interface(name: str, cls: type, *, needs_model: bool | None = None)
             cls.__module__,
             implemented_call_types(cls),
             getattr(cls, "needs_model", True) if needs_model is None else needs_model,
+            training_side=bool(getattr(cls, "training_side", False)),
         )
     )
     return cls

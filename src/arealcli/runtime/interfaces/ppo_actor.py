@@ -70,6 +70,7 @@ class PPOActorInterface(ModelInterface):
             self.kl_ctl = F.AdaptiveKLController(s.kl_ctl, args.adaptive_kl_target, args.adaptive_kl_horizon)
         else:
             self.kl_ctl = F.FixedKLController(s.kl_ctl)
+        self.kl_coef = self.kl_ctl.value  # this step's (the `returns` call's when there is one)
         self.temperature = args.temperature or (
             1.0 if args.generation.greedy else args.generation.temperature
         )
@@ -126,7 +127,10 @@ class PPOActorInterface(ModelInterface):
 
     def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> dict[str, float]:
         a = self.args
+        # from the `returns` call when the dataflow has one (one KL controller for actor and critic)
         r = compute_returns(data, a.shaping, a.gae_lambda, self.kl_ctl.value, a.generation.max_new_tokens)
+        own_controller = "kl_coef" not in data.meta
+        self.kl_coef = self.kl_ctl.value if own_controller else float(data.meta["kl_coef"][0])
         raw = data.data["rewards"].float()  # (B,)
         no_eos = data.data["seq_no_eos_mask"].bool()
         mask = r.mask & ~no_eos[:, None] if a.mask_too_long else r.mask  # (B, T)
@@ -158,7 +162,7 @@ class PPOActorInterface(ModelInterface):
             "response_len": float(r.mask.sum(-1).float().mean()),
             "no_eos_frac": float(no_eos.float().mean()),
             "adv_abs": float(F.masked_mean(adv.abs(), mask)),
-            "kl_coef": self.kl_ctl.value,
+            "kl_coef": self.kl_coef,
         }
         if r.kl is not None:
             stats["kl_ref"] = float(F.masked_mean(r.kl, r.mask))
@@ -208,7 +212,7 @@ class PPOActorInterface(ModelInterface):
         stats.update({k: v / max(n_updates, 1) for k, v in train_stats.items()})
         stats["n_updates"] = float(n_updates)
 
-        if a.adaptive_kl_target is not None and r.kl is not None:
+        if a.adaptive_kl_target is not None and r.kl is not None and own_controller:
             kl_sum, n = distributed.all_reduce([float((r.kl * r.mask).sum()), float(data.bs)])
             self.kl_ctl.update(kl_sum / n, n_steps=int(n))  # the same controller on every rank
         model.inc_version()
@@ -250,12 +254,12 @@ class PPOActorInterface(ModelInterface):
             max_len=a.generation.max_new_tokens,
             importance_ratio=a.importance_ratio,
         )
-        if "ref_logp" in mb.data and self.kl_ctl.value > 0 and not a.shaping.kl_in_reward:
+        if "ref_logp" in mb.data and self.kl_coef > 0 and not a.shaping.kl_in_reward:
             ref, _ = response_view(mb.data["ref_logp"].to(logits.device), mb)
             # aggregated like the policy loss (TRL, verl): with Dr.GRPO's sum / max_len the KL too
             kl_tokens = F.kl_estimate(logp, ref, a.kl_estimator)  # (B, T)
             kl = F.aggregate_loss(kl_tokens, mask, a.aggregation, a.generation.max_new_tokens)
-            loss = loss + self.kl_ctl.value * kl
+            loss = loss + self.kl_coef * kl
             stats["kl_loss"] = kl.detach()
         act = self._action_mask(mb).to(logits.device)  # responses removed from the loss get no bonus
         with torch.set_grad_enabled(a.entropy_coef > 0):  # only a statistic unless it is in the loss

@@ -32,6 +32,7 @@ class PPOCriticInterface(ModelInterface):
 
     def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> dict[str, float]:
         a = self.args
+        # from the `returns` call when the dataflow has one: the actor's KL coefficient and shaping
         r = compute_returns(data, a.shaping, a.gae_lambda, a.shaping.kl_ctl)
         train = data.select(["packed_input_ids", "prompt_mask"])
         for key, padded in (("returns", r.returns), ("old_values", r.values), ("loss_mask", r.mask.float())):

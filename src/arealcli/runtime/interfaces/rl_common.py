@@ -98,7 +98,14 @@ def compute_returns(
     gae_lambda: float,
     kl_coef: float,
     max_new_tokens: int | None = None,
+    returns_lambda: float | None = None,
 ) -> Returns:
+    """Shaped scores -> per-token rewards (KL penalty with coefficient `kl_coef` when in the reward) ->
+    GAE: advantages with `gae_lambda`, returns (the critic's targets) with `returns_lambda` (default the
+    same). A packed batch that already carries `advantages`, `returns` and `seq_scores` (from a
+    `returns` call of the dataflow) is read as it is: computed once for the actor and the critic."""
+    if {"advantages", "returns", "seq_scores"} <= set(data.data):
+        return provided_returns(data)
     old_logp, mask = response_view(data.data["packed_logprobs"].float(), data)  # (B, T)
     no_eos = data.data["seq_no_eos_mask"].bool()  # (B,)
     resp_len = mask.sum(-1)
@@ -119,7 +126,26 @@ def compute_returns(
         scores, mask, kl if s.kl_in_reward else None, kl_coef if s.kl_in_reward else 0.0
     )
     adv, ret = F.gae(rewards, values, mask, bootstrap, s.discount, gae_lambda)
+    if returns_lambda is not None and returns_lambda != gae_lambda:
+        _, ret = F.gae(rewards, values, mask, bootstrap, s.discount, returns_lambda)
     return Returns(scores, mask, kl, adv, ret, values)
+
+
+def provided_returns(data: SequenceSample) -> Returns:
+    """`Returns` from the keys a `returns` call produced (advantages, returns, seq_scores)."""
+    old_logp, mask = response_view(data.data["packed_logprobs"].float(), data)  # (B, T)
+    kl = None
+    if "packed_ref_logprobs" in data.data:
+        ref_logp, _ = response_view(data.data["packed_ref_logprobs"].float(), data)
+        kl = F.kl_estimate(old_logp, ref_logp, "k1") * mask
+    values = (
+        response_view(data.data["values"].float(), data)[0]
+        if "values" in data.data
+        else torch.zeros_like(old_logp)
+    )
+    adv, _ = response_view(data.data["advantages"].float(), data)
+    ret, _ = response_view(data.data["returns"].float(), data)
+    return Returns(data.data["seq_scores"].float(), mask, kl, adv, ret, values)
 
 
 def dp_masked_normalize(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:

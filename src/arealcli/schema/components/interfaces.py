@@ -168,6 +168,21 @@ class PPOCriticArgs(StrictModel):
     sample_reuse: PositiveInt = Field(1, le=1024, description="Passes over the batch.")
 
 
+class ReturnsArgs(StrictModel):
+    """Shaped rewards, the KL penalty and GAE, computed once for the actor and the critic."""
+
+    shaping: RewardShaping = Field(default_factory=RewardShaping, description="Reward shaping and KL.")
+    gae_lambda: float = Field(1.0, ge=0, le=1, description="GAE lambda of the actor's advantages.")
+    returns_lambda: float | None = Field(
+        None, ge=0, le=1, description="GAE lambda of the critic's returns; default: gae_lambda."
+    )
+    adaptive_kl_target: float | None = Field(None, gt=0, description="Target KL of the adaptive controller.")
+    adaptive_kl_horizon: float = Field(10000, gt=0, description="Horizon of the adaptive KL controller.")
+    max_new_tokens: PositiveInt | None = Field(
+        None, le=1 << 22, description="Generation length limit (for the DAPO overlong penalty)."
+    )
+
+
 class RewardArgs(StrictModel):
     """Score responses with a registered reward function (rule-based or your own)."""
 
