@@ -158,7 +158,9 @@ def test_resolved_recipe_and_metrics_rows(ws, cli, monkeypatch):
     printed = cli("check", recipe, "seed=11", "--print")
     assert printed.exit_code == 0
     written = yaml.safe_load((run / "recipe.yaml").read_text())
-    assert written == yaml.safe_load(printed.stdout)
+    expected = yaml.safe_load(printed.stdout)
+    expected["dataset"]["args"]["path"] = str(ws.root / "train.jsonl")  # local paths saved absolute
+    assert written == expected
     assert written["seed"] == 11 and written["trainer"]["max_steps"] == 5
     # The written recipe is itself a valid recipe.
     assert validate(load_recipe_source(run / "recipe.yaml")).seed == 11
@@ -319,3 +321,44 @@ def test_plugin_interface_args_are_validated(ws, cli, plugin_dir):
     result = cli("check", generate)
     assert result.exit_code == 2
     assert "interface 'my_sft' does not implement 'generate'; it implements train_step" in result.stderr
+
+
+# --------------------------------------------------------------------------- safe resume
+
+
+def test_resume_refuses_a_different_recipe_and_records_allowed_changes(ws, cli, monkeypatch):
+    recipe = ws.recipe(trainer={"max_steps": 4, "save_every_n_steps": 2})
+    run = ws.root / "run"
+
+    def crash_at_3(step, total, stats, log_now):
+        if step == 3:
+            raise Crash
+
+    trainer = Trainer(validate(load_recipe_source(recipe)), recipe.parent, run)
+    trainer.progress = crash_at_3
+    trainer.setup()
+    with pytest.raises(Crash):
+        trainer.train()
+    trainer.close()
+    saved = (run / "recipe.yaml").read_text()
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+
+    # another learning rate, another seed: refused, listed, nothing touched
+    result = cli(
+        "train", recipe, "-o", run, "--resume", "models.default.backend.args.optimizer.lr=0.5", "seed=4"
+    )
+    assert result.exit_code == 2
+    err = " ".join(result.stderr.split())
+    assert "models.default.backend.args.optimizer.lr: 0.01 -> 0.5" in err and "seed: 3 -> 4" in err
+    assert (run / "recipe.yaml").read_text() == saved
+
+    # a longer run from another folder: allowed, recorded; the saved recipe.yaml is kept as it was
+    monkeypatch.chdir(ws.root.parent)
+    result = cli("train", run / "recipe.yaml", "-o", run, "--resume", "trainer.max_steps=6")
+    assert result.exit_code == 0, result.output
+    assert "resuming with a changed setting: trainer.max_steps: 4 -> 6" in " ".join(result.stderr.split())
+    assert (run / "recipe.yaml").read_text() == saved
+    (history,) = (run / "recipe-history").iterdir()
+    assert "trainer.max_steps: 4 -> 6" in history.read_text()
+    # the row of step 3 from the interrupted attempt is not duplicated
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5, 6]

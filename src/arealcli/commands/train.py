@@ -79,6 +79,45 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
         raise fail([f"cannot use {run_dir} as the run directory: {e.strerror or e}"]) from None
 
 
+def check_resume(resolved, recipe_dir: Path, run_dir: Path) -> None:
+    """--resume with the run's own recipe: refuse a difference that would train something else (listing
+    it); allow and record the ones that only change length, logging and connections."""
+    import datetime
+
+    import yaml
+
+    from arealcli.schema.resume import differences, with_absolute_paths
+
+    saved_path = run_dir / "recipe.yaml"
+    if not saved_path.is_file():
+        return  # a run from before recipes were saved: nothing to compare
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    now = with_absolute_paths(resolved.model_dump(mode="json"), recipe_dir)
+    refused, allowed = differences(saved, now)
+    if refused:
+        shown = refused[:15] + ([f"... and {len(refused) - 15} more"] if len(refused) > 15 else [])
+        raise fail(
+            [
+                f"--resume: the recipe differs from the run's own ({saved_path}) in what it trains:",
+                *(f"  {line}" for line in shown),
+                f"resume with the run's recipe (`areal train {saved_path} --resume -o {run_dir}` plus only "
+                "the changes allowed on resume: max_steps, logging, eval and save cadence, server "
+                "connections), or start a new run (--output-dir)",
+            ]
+        )
+    if allowed:
+        history = run_dir / "recipe-history"
+        history.mkdir(exist_ok=True)
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        (history / f"resume-{stamp}.yaml").write_text(
+            "# changed on resume:\n"
+            + "".join(f"#   {line}\n" for line in allowed)
+            + yaml.safe_dump(now, sort_keys=False)
+        )
+        for line in allowed:
+            say_error(f"resuming with a changed setting: {line} (recorded in {history})", title="note")
+
+
 def data_parallel_size(recipe, world: int) -> int:
     """Ranks that take distinct data: the world over the largest model-parallel group of any model."""
     model_parallel = max(
@@ -123,6 +162,8 @@ def train(
         raise fail([batch_size_problem(resolved.dataset.batch_size, dp)])
     if node_rank == 0:  # the run directory is node 0's (shared with the other nodes)
         prepare_run_dir(run_dir, resume, overwrite)
+        if resume:
+            check_resume(resolved, recipe.resolve().parent, run_dir)
     if world == 1:
         return train_here(resolved, recipe, run_dir, resume)
 

@@ -10,6 +10,7 @@ saves of the backends.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -141,6 +142,8 @@ class Trainer:
             else:  # more ranks than the checkpoint had: a fresh, deterministic stream
                 seed_rank(r.seed + self.global_step, self.rank)
             self.saved_step = self.global_step
+            if self.rank == 0:
+                drop_metrics_after(self.run_dir / "metrics.jsonl", self.global_step)
         self.resumed_from = resume_from
 
         sinks: list[Any] = []
@@ -161,7 +164,9 @@ class Trainer:
             )
             self.train_calls = [c for c in self.calls if not on_rollout_side(c.spec)]
         if self.rank == 0 and not (self.resume and (self.run_dir / "recipe.yaml").exists()):
-            write_resolved_recipe(r, self.run_dir)  # once setup worked: a failed start leaves no record
+            write_resolved_recipe(
+                r, self.run_dir, self.recipe_dir
+            )  # once setup worked: no record of a failed start
 
     def _resolve(self, path: str) -> str:
         p = Path(path).expanduser()
@@ -291,6 +296,23 @@ class Trainer:
             self.producer.join()  # its workers end once the engines they waited on are closed
 
 
+def drop_metrics_after(path: Path, step: int) -> None:
+    """Resume: the rows the interrupted attempt logged after the checkpoint are trained again; drop them
+    so every step has one row."""
+    import json
+
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 def check_finite(stats: dict[str, float], step: int, saved_step: int | None) -> None:
     """Stop at the first step whose loss or gradient norm is not finite (NaN or inf).
 
@@ -359,6 +381,14 @@ def write_samples(path: Path, rows: list[dict]) -> None:
         f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
-def write_resolved_recipe(recipe: Recipe, run_dir: Path) -> None:
+def resolved_recipe_data(recipe: Recipe, recipe_dir: Path) -> dict:
+    """The resolved recipe as data, local paths absolute: what `recipe.yaml` in the run directory holds."""
+    from arealcli.schema.resume import with_absolute_paths
+
+    return with_absolute_paths(recipe.model_dump(mode="json"), recipe_dir)
+
+
+def write_resolved_recipe(recipe: Recipe, run_dir: Path, recipe_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+    data = resolved_recipe_data(recipe, recipe_dir)
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
