@@ -4,6 +4,7 @@ import typer
 
 from arealcli.commands.check import check
 from arealcli.commands.list_ import list_
+from arealcli.commands.report import report
 from arealcli.commands.serve import serve
 from arealcli.commands.train import train
 
@@ -18,6 +19,7 @@ app.command("train")(train)
 app.command("check")(check)
 app.command("list")(list_)
 app.command("serve")(serve)
+app.command("report")(report)
 
 if __name__ == "__main__":
     app()

@@ -178,6 +178,11 @@ def train(
             err_console.print("interrupted: the last complete checkpoint is kept; continue with --resume")
         raise typer.Exit(result.exit_code)
     console.print(f"done: {result.global_step} steps on {world} processes; run directory {run_dir}")
+    if node_rank == 0:
+        from arealcli.runtime.progress import header
+        from arealcli.runtime.report import summary_lines
+
+        header(console, summary_lines(run_dir))
 
 
 class Terminated(KeyboardInterrupt):
@@ -189,8 +194,11 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
+    import time
+
     from arealcli.runtime import threads
-    from arealcli.runtime.progress import ConsoleProgress
+    from arealcli.runtime.progress import ConsoleProgress, default_metrics, header
+    from arealcli.runtime.report import summary_lines
     from arealcli.runtime.trainer import Trainer
 
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -198,14 +206,15 @@ def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
     if threads.enabled():  # torch threads = the cores other processes leave free (re-measured as it runs)
         trainer.thread_policy = threads.ThreadPolicy()
         trainer.thread_policy.measure_now()
-    with ConsoleProgress(console, resolved.experiment) as progress:
+    metrics = resolved.trainer.console_metrics or default_metrics(resolved.dataflow.calls)
+    t0 = time.perf_counter()
+    with ConsoleProgress(console, resolved.experiment, metrics) as progress:
         trainer.progress = progress.update
         try:
             trainer.setup()
+            header(console, trainer.describe(recipe))
             for note in trainer.notes:
                 say_error(note, title="note")
-            if trainer.resumed_from is not None:
-                console.print(f"resuming from {trainer.resumed_from} (step {trainer.global_step})")
             progress.start(trainer.global_step, trainer.total_steps)
             trainer.train()
         except KeyboardInterrupt as e:
@@ -216,4 +225,5 @@ def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
             raise fail([str(e)]) from None
         finally:
             trainer.close()
-    console.print(f"done: {trainer.global_step} steps; run directory {run_dir}")
+    console.print(f"done: {trainer.global_step} steps; run directory {run_dir}", highlight=False)
+    header(console, summary_lines(run_dir, time.perf_counter() - t0))

@@ -173,7 +173,7 @@ def _train(job: WorkerJob, rank: int) -> int:
 
     from rich.console import Console
 
-    from arealcli.runtime.progress import ConsoleProgress
+    from arealcli.runtime.progress import ConsoleProgress, default_metrics, header
     from arealcli.runtime.trainer import Trainer
     from arealcli.schema.source import apply_overrides, load_recipe_source
     from arealcli.schema.validate import validate
@@ -181,17 +181,17 @@ def _train(job: WorkerJob, rank: int) -> int:
     recipe_path = Path(job.recipe_path)
     recipe = validate(apply_overrides(load_recipe_source(recipe_path), job.overrides))
     trainer = Trainer(recipe, recipe_path.resolve().parent, Path(job.run_dir), resume=job.resume)
-    console = Console()
-    progress = ConsoleProgress(console, recipe.experiment) if rank == 0 else None  # rank 0 reports
+    console = Console(emoji=False, highlight=False)
+    metrics = recipe.trainer.console_metrics or default_metrics(recipe.dataflow.calls)
+    progress = ConsoleProgress(console, recipe.experiment, metrics) if rank == 0 else None  # rank 0 reports
     try:
         with progress or contextlib.nullcontext():
             trainer.progress = progress.update if progress else None
             trainer.setup()
             if progress is not None:
+                header(console, trainer.describe(recipe_path))
                 for note in trainer.notes:
                     console.print(f"note: {note}", markup=False, highlight=False)
-                if trainer.resumed_from is not None:
-                    console.print(f"resuming from {trainer.resumed_from} (step {trainer.global_step})")
                 progress.start(trainer.global_step, trainer.total_steps)
             trainer.train()
     finally:

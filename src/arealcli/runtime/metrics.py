@@ -45,8 +45,44 @@ class TensorBoardSink:
 def tensorboard_sink(log_dir: Path) -> TensorBoardSink | None:
     try:
         return TensorBoardSink(log_dir)
-    except ImportError:  # tensorboard is optional
+    except ImportError:  # the caller says so
         return None
+
+
+class WandbSink:
+    """Weights & Biases: one run per training run, the resolved recipe as its config."""
+
+    def __init__(self, spec, experiment: str, run_dir: Path, config: dict):
+        try:
+            import wandb
+        except ImportError:
+            from arealcli.errors import UserError
+
+            raise UserError("trainer.wandb needs the wandb package: pip install 'arealcli[wandb]'") from None
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=spec.project,
+            name=spec.name or experiment,
+            mode=spec.mode,
+            dir=str(run_dir),
+            tags=spec.tags,
+            config=config,
+            resume="allow",
+            id=_run_id(run_dir),
+        )
+
+    def write(self, step: int, stats: dict[str, float]) -> None:
+        self.run.log({k: v for k, v in stats.items() if isinstance(v, int | float)}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _run_id(run_dir: Path) -> str:
+    """The same W&B run id for a run directory, so --resume continues the same W&B run."""
+    import hashlib
+
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
 
 
 class MetricLogger:

@@ -24,7 +24,7 @@ from arealcli.runtime import checkpoint as ckpt
 from arealcli.runtime import distributed
 from arealcli.runtime.dataflow import Call, run_calls
 from arealcli.runtime.datasets import Batches
-from arealcli.runtime.metrics import JSONLSink, MetricLogger, tensorboard_sink
+from arealcli.runtime.metrics import JSONLSink, MetricLogger, WandbSink, tensorboard_sink
 from arealcli.runtime.model import FinetuneSpec, Model, build_module
 from arealcli.runtime.registry import make_backend, make_dataset, make_interface
 from arealcli.runtime.rollout import RolloutProducer
@@ -150,8 +150,18 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             sinks.append(JSONLSink(self.run_dir / "metrics.jsonl"))
-            if r.trainer.tensorboard and (tb := tensorboard_sink(self.run_dir / "tensorboard")) is not None:
-                sinks.append(tb)
+            if r.trainer.tensorboard:
+                tb = tensorboard_sink(self.run_dir / "tensorboard")
+                if tb is None:
+                    self.notes.append(
+                        "no TensorBoard events: tensorboard is not installed (pip install tensorboard)"
+                    )
+                else:
+                    sinks.append(tb)
+            if r.trainer.wandb is not None:
+                sinks.append(
+                    WandbSink(r.trainer.wandb, r.experiment, self.run_dir, r.model_dump(mode="json"))
+                )
         self.logger = MetricLogger(sinks)
         # models with `weights_from` start from their source's current (possibly resumed) weights
         self.weight_sync = WeightSync(r, self.models, self.tokenizer, self.run_dir)
@@ -224,7 +234,61 @@ class Trainer:
                 self.producer.publish(self.global_step)  # the next batches may start generating
         if self.saved_step != self.global_step:
             self.save()
+        self.write_report()
         return last
+
+    def describe(self, recipe_path: Path) -> list[tuple[str, str]]:
+        """The header lines: what runs, where, how long."""
+        r = self.recipe
+        models = []
+        for name, spec in r.models.items():
+            source = spec.path or (f"init_from {spec.init_from}" if spec.init_from else None)
+            if spec.config is not None:
+                c = spec.config
+                source = f"{c.family} {c.hidden_size}x{c.num_hidden_layers} from config"
+            follow = f", follows {spec.weights_from}" if spec.weights_from else ""
+            models.append(f"{name} ({source}; {spec.backend.type_}{follow})")
+        calls = " -> ".join(
+            c.name
+            + (
+                f"[{c.start_step}..{c.end_step - 1}]"
+                if c.end_step
+                else f"[{c.start_step}..]"
+                if c.start_step
+                else ""
+            )
+            for c in r.dataflow.calls
+        )
+        t = r.trainer
+        cadence = [f"{self.total_steps} steps"]
+        if t.eval_every_n_steps:
+            cadence.append(f"eval every {t.eval_every_n_steps}")
+        if t.save_every_n_steps:
+            cadence.append(f"save every {t.save_every_n_steps}")
+        lines = [
+            ("experiment", f"{r.experiment}  ({recipe_path})"),
+            ("run dir", str(self.run_dir)),
+            ("models", "; ".join(models)),
+            ("dataflow", calls),
+            ("steps", ", ".join(cadence) + f"; batch {r.dataset.batch_size} prompts; world {self.world}"),
+        ]
+        if r.rollout is not None:
+            lines.append(("rollout", f"asynchronous, max_staleness {r.rollout.max_staleness}"))
+        if self.resumed_from is not None:
+            lines.append(("resuming", f"from {self.resumed_from} (step {self.global_step})"))
+        return lines
+
+    def write_report(self) -> Path | None:
+        """report.png from metrics.jsonl (rank 0); a plotting failure is a note, never a failed run."""
+        if self.rank != 0:
+            return None
+        from arealcli.runtime.report import plot
+
+        try:
+            return plot([self.run_dir], self.run_dir / "report.png", labels=[self.recipe.experiment])
+        except Exception as e:  # matplotlib missing or broken: the run itself succeeded
+            self.notes.append(f"no report.png: {type(e).__name__}: {e}")
+            return None
 
     def data_batch(self, step: int):
         """This rank's slice of the dataset batch of `step` (a pure function of the step)."""

@@ -143,6 +143,17 @@ class DataflowSpec(StrictModel):
     calls: list[CallSpec] = Field(min_length=1, description="Model function calls, in a valid order.")
 
 
+class WandbSpec(StrictModel):
+    """Weights & Biases tracking (needs `pip install arealcli[wandb]`)."""
+
+    project: str = Field("arealcli", description="W&B project.")
+    name: str | None = Field(None, description="Run name; default: the experiment name.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "online", description="offline writes <run>/wandb for a later `wandb sync`."
+    )
+    tags: list[str] = Field(default_factory=list, description="Run tags.")
+
+
 class TrainerSpec(StrictModel):
     """The training loop: how long, and how often to log, evaluate and save."""
 
@@ -164,8 +175,12 @@ class TrainerSpec(StrictModel):
     samples_every_n_steps: PositiveInt | None = Field(
         None, description="Write generated samples to <run>/samples/step_N.jsonl at this interval."
     )
-    tensorboard: bool = Field(
-        True, description="Also write TensorBoard events (when tensorboard is installed)."
+    tensorboard: bool = Field(True, description="Also write TensorBoard events (<run>/tensorboard).")
+    wandb: WandbSpec | None = Field(None, description="Also log to Weights & Biases.")
+    console_metrics: list[str] | None = Field(
+        None,
+        description="Metric keys shown on the progress line (e.g. actor_train/reward, eval/actor_train/accuracy); "
+        "default: each training call's reward or loss and its held-out score.",
     )
 
 

@@ -94,7 +94,7 @@ class PPOActorInterface(ModelInterface):
             aligned[p - 1 : p + n - 1] = torch.tensor(lp)  # position t holds log p(token t+1)
             logprobs.append(aligned)
             no_eos.append(torch.tensor([float(trunc)]))
-        return SequenceSample.from_lists(
+        out_sample = SequenceSample.from_lists(
             rep.ids,
             {
                 "packed_input_ids": seqs,
@@ -109,6 +109,8 @@ class PPOActorInterface(ModelInterface):
                 "version_last": [model.version.global_step if v is None else v for v in last_versions],
             },
         )
+        out_sample.stats = {"generated_tokens": float(sum(len(g) for g in out.output_ids))}
+        return out_sample
 
     # ------------------------------------------------------------------ inference
 

@@ -1,0 +1,41 @@
+"""`areal report RUN_DIR [RUN_DIR ...]`: the summary of finished runs and their report picture.
+
+One run: redraws RUN_DIR/report.png. Several: one picture with every run overlaid (a color per run),
+written to `--output` (default `report.png` in the current directory).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.text import Text
+
+from arealcli.commands.common import console, fail
+
+
+def report(
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories (as written by areal train)."),
+    output: Path = typer.Option(None, "--output", "-o", help="PNG to write (default: see above)."),
+    labels: list[str] = typer.Option(None, "--label", help="A legend label per run (default: folder names)."),
+) -> None:
+    """Summaries of finished runs and a picture of their metrics (several runs: overlaid)."""
+    problems = [
+        f"{d}: no metrics.jsonl (is it a run directory of areal train?)"
+        for d in run_dirs
+        if not (d / "metrics.jsonl").is_file()
+    ]
+    if problems:
+        raise fail(problems)
+    if labels and len(labels) != len(run_dirs):
+        raise fail([f"--label given {len(labels)} times for {len(run_dirs)} run directories"])
+    from arealcli.runtime.progress import header
+    from arealcli.runtime.report import plot, summary_lines
+
+    out = output or (run_dirs[0] / "report.png" if len(run_dirs) == 1 else Path("report.png"))
+    written = plot(run_dirs, out, labels or None)
+    for d in run_dirs:
+        console.print(Text(str(d), style="bold"))
+        header(console, [(k, v) for k, v in summary_lines(d) if k != "report"])
+    if written is not None:
+        console.print(Text.assemble(("report", "bold"), f"  {written}"))
