@@ -5,6 +5,7 @@ import typer
 from arealcli.commands.check import check
 from arealcli.commands.list_ import list_
 from arealcli.commands.report import report
+from arealcli.commands.schema import schema
 from arealcli.commands.serve import serve
 from arealcli.commands.train import train
 
@@ -20,6 +21,7 @@ app.command("check")(check)
 app.command("list")(list_)
 app.command("serve")(serve)
 app.command("report")(report)
+app.command("schema")(schema)
 
 if __name__ == "__main__":
     app()

@@ -131,8 +131,15 @@ def data_parallel_size(recipe, world: int) -> int:
 def train(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
     overrides: list[str] = typer.Argument(None, help="key.path=value overrides."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the run directory's last checkpoint."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing run directory first."),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue from the run directory's last checkpoint.", metavar=""
+    ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Delete the existing run directory (one areal train made) first.",
+        metavar="",
+    ),
     output_dir: Path = typer.Option(
         None, "--output-dir", "-o", help="Run directory (default runs/<experiment>)."
     ),
