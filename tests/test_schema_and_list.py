@@ -67,3 +67,17 @@ def test_flags_show_as_flags(cli):
     for flag in ("--resume", "--overwrite"):
         line = next(x for x in help_text.splitlines() if flag in x)
         assert "<bool>" not in line, line
+
+
+def test_init_copies_a_shipped_recipe_that_runs_from_anywhere(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = cli("init", "mine", "--from", "quickstart")
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "mine.yaml").read_text()
+    assert "experiment: mine" in text and str(REPO / "data" / "max3" / "train.jsonl") in text
+    assert text.splitlines()[0].startswith("# Quickstart")  # the comments come along
+    checked = cli("check", tmp_path / "mine.yaml")
+    assert checked.exit_code == 0 and "warning" not in checked.stderr  # every path resolves from here
+    again = cli("init", "mine")
+    assert again.exit_code == 2 and "already exists" in again.stderr
+    assert cli("init", "x", "--from", "nope").exit_code == 2

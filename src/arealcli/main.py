@@ -3,6 +3,7 @@
 import typer
 
 from arealcli.commands.check import check
+from arealcli.commands.init import init
 from arealcli.commands.list_ import list_
 from arealcli.commands.report import report
 from arealcli.commands.schema import schema
@@ -22,6 +23,7 @@ app.command("list")(list_)
 app.command("serve")(serve)
 app.command("report")(report)
 app.command("schema")(schema)
+app.command("init")(init)
 
 if __name__ == "__main__":
     app()

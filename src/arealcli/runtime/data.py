@@ -22,6 +22,13 @@ from arealcli.schema.components.engine import MicroBatchSpec
 TOKEN_KEYS = ("packed_input_ids", "packed_prompts")
 
 
+class Keys(dict):
+    """A batch's keys -> values: a missing key is an error that lists the keys the batch has."""
+
+    def __missing__(self, key):
+        raise KeyError(f"{key!r} is not in this batch; it has {sorted(self)}") from None
+
+
 @dataclass
 class SequenceSample:
     ids: list[Any]
@@ -32,6 +39,10 @@ class SequenceSample:
     cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.data, Keys):
+            self.data = Keys(self.data)
+        if not isinstance(self.meta, Keys):
+            self.meta = Keys(self.meta)
         for key, lens in self.seqlens.items():
             if len(lens) != len(self.ids):
                 raise ValueError(f"key {key!r} has {len(lens)} lengths for {len(self.ids)} samples")

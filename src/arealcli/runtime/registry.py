@@ -39,7 +39,12 @@ def _typed_args(entry, spec: Abstraction):
 
 def make_interface(spec: Abstraction):
     entry = INTERFACES.get(spec.type_)
-    return entry.load()(_typed_args(entry, spec))
+    cls, args = entry.load(), _typed_args(entry, spec)
+    if getattr(entry.args_model, "__dataclass_interface__", False):  # AReaL's style: fields are the args
+        interface = cls(**{name: getattr(args, name) for name in entry.args_model.model_fields})
+        interface.args = args
+        return interface
+    return cls(args)
 
 
 def make_backend(spec: Abstraction):

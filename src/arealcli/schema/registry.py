@@ -8,8 +8,10 @@ recipe's `imports:` or exposed through the `arealcli.plugins` entry-point group.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
+import typing
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -104,8 +106,44 @@ ALL = {"interfaces": INTERFACES, "backends": BACKENDS, "datasets": DATASETS, "re
 
 
 def _args_model_of(obj: Any) -> type[BaseModel]:
+    """The component's argument model: its pydantic `Args`, or one made from its dataclass fields
+    (AReaL's style: `@dataclass class MyInterface(ModelInterface): eps: float = 0.2`)."""
     args = getattr(obj, "Args", None)
-    return args if isinstance(args, type) and issubclass(args, BaseModel) else NoArgs
+    if isinstance(args, type) and issubclass(args, BaseModel):
+        return args
+    if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+        return dataclass_args_model(obj)
+    return NoArgs
+
+
+def dataclass_args_model(cls: type) -> type[BaseModel]:
+    """A strict pydantic model of a dataclass's init fields (types, defaults; the field's `doc` metadata
+    or nothing as description)."""
+    from pydantic import ConfigDict, Field, create_model
+
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception as e:  # an annotation that does not resolve: say which class
+        raise RegistryError(
+            f"cannot read the argument types of {cls.__module__}.{cls.__qualname__}: {e}"
+        ) from e
+    fields: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        doc = f.metadata.get("doc") or f.metadata.get("help") or None
+        if f.default is not dataclasses.MISSING:
+            field = Field(f.default, description=doc)
+        elif f.default_factory is not dataclasses.MISSING:
+            field = Field(default_factory=f.default_factory, description=doc)
+        else:
+            field = Field(..., description=doc)
+        fields[f.name] = (hints.get(f.name, Any), field)
+    config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, arbitrary_types_allowed=True)
+    model = create_model(f"{cls.__name__}Args", __config__=config, **fields)
+    model.__doc__ = _doc_line(cls)
+    model.__dataclass_interface__ = True  # built from the fields: make_interface passes them as kwargs
+    return model
 
 
 def _doc_line(obj: Any) -> str:
@@ -186,7 +224,13 @@ def load_entry_point_plugins() -> None:
 
 
 def import_plugins(modules: list[str]) -> list[str]:
-    """Import a recipe's `imports:` list; returns one error message per module that fails."""
+    """Import a recipe's `imports:` list; returns one error message per module that fails. Modules in
+    the current directory are found without PYTHONPATH."""
+    import os
+    import sys
+
+    if modules and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     load_entry_point_plugins()
     errors = []
     for module in modules:

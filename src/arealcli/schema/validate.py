@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -482,6 +484,7 @@ def validate(src: Located) -> Recipe:
     The returned recipe is fully typed: every `args` is its component's own argument model.
     """
     data = src.data
+    plugin_paths(Path(src.file).resolve().parent)
     problems: list[Problem] = _check_imports(data.get("imports"))
     preset_problems = [Problem(path, msg) for path, msg in presets.expand_in_place(src)]
     typed: Typed = {}
@@ -505,6 +508,15 @@ def validate(src: Located) -> Recipe:
         raise RecipeInvalid(problems, src)
     assert recipe is not None
     return recipe
+
+
+def plugin_paths(recipe_dir: Path) -> None:
+    """`imports:` finds modules in the current directory and beside the recipe (as `python -m` would
+    find the first): both go on sys.path, after what is there."""
+    for folder in (Path.cwd(), recipe_dir):
+        entry = str(folder)
+        if entry not in sys.path and folder.is_dir():
+            sys.path.append(entry)
 
 
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")

@@ -93,9 +93,6 @@ class FSDPEngine(TrainEngine):
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]  # same order everywhere
         self.reshard_after_forward = reshard_after_forward
 
-    def eval_mode(self) -> None:
-        self.module.eval()
-
     def run_microbatch(self, mb: SequenceSample) -> torch.Tensor:
         return run_packed(self.module, mb, self.device)
 

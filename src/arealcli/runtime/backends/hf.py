@@ -59,9 +59,6 @@ class HFEngine(TrainEngine):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def eval_mode(self) -> None:
-        self.module.eval()
-
     def run_microbatch(self, mb: SequenceSample) -> torch.Tensor:
         return run_packed(self.module, mb, self.device)
 

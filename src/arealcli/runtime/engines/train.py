@@ -90,6 +90,17 @@ class TrainEngine:
 
     def eval_mode(self) -> None:
         """Put the module in eval mode (no dropout) before forward-only passes."""
+        self.train(False)
+
+    def train(self, mode: bool = True) -> TrainEngine:
+        """Like `nn.Module.train` (interfaces written for AReaL call `module.train()` / `module.eval()`)."""
+        module = getattr(self, "module", None) or getattr(self, "model", None)
+        if isinstance(module, torch.nn.Module):
+            module.train(mode)
+        return self
+
+    def eval(self) -> TrainEngine:
+        return self.train(False)
 
     def check_batch(self, input_: SequenceSample, key: str) -> None:
         """Megatron: every rank of a model-parallel replica must hold the same batch."""

@@ -157,9 +157,6 @@ class MegatronEngine(TrainEngine):
     def loss_scale(self) -> float:
         return float(self.optimizer.get_loss_scale())  # fp16 loss scaling (1 otherwise)
 
-    def eval_mode(self) -> None:
-        self.model.eval()
-
     def begin_train_step(self, version_steps: int, lr_scale: float) -> float:
         self.model.train()
         lr = begin_step(self.optimizer, self.optimizer_cfg, self.total_train_steps, version_steps, lr_scale)

@@ -1,0 +1,49 @@
+"""The names a plugin needs, in one place (AReaL's `model_api` spelling works too:
+`from arealcli import api as model_api`).
+
+    ModelInterface, register_interface     an algorithm: `train_step`, `inference`, `generate`, `save`
+    ModelBackend, register_backend         a backend (`capabilities`, `_initialize`)
+    TrainEngine, InferenceEngine           the two engine kinds a backend builds
+    register_dataset, register_reward      data and reward functions
+    make_interface, make_backend           build one from a `{type_, args}` spec
+    SequenceSample, MicroBatchSpec, Model  the data protocol, micro-batch split, a model of the run
+"""
+
+from arealcli.runtime.backends.base import ModelBackend
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.engines.inference import GroupGenerator, InferenceEngine
+from arealcli.runtime.engines.train import TrainEngine
+from arealcli.runtime.interfaces.base import ModelInterface
+from arealcli.runtime.model import Model
+from arealcli.runtime.registry import (
+    make_backend,
+    make_dataset,
+    make_interface,
+    register_backend,
+    register_dataset,
+    register_interface,
+    register_reward,
+)
+from arealcli.schema.base import ModelBackendAbstraction, ModelInterfaceAbstraction
+from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+
+__all__ = [
+    "GenerationHyperparameters",
+    "GroupGenerator",
+    "InferenceEngine",
+    "MicroBatchSpec",
+    "Model",
+    "ModelBackend",
+    "ModelBackendAbstraction",
+    "ModelInterface",
+    "ModelInterfaceAbstraction",
+    "SequenceSample",
+    "TrainEngine",
+    "make_backend",
+    "make_dataset",
+    "make_interface",
+    "register_backend",
+    "register_dataset",
+    "register_interface",
+    "register_reward",
+]
