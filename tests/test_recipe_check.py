@@ -320,7 +320,8 @@ def test_list_json_describes_builtins(cli):
     assert {"device", "dtype", "optimizer"} <= {a["name"] for a in hf["args"]}
     ds = {e["name"]: e for e in payload["datasets"]}["prompt_answer"]
     assert "packed_input_ids" in ds["keys"]
-    assert all(a["description"] for e in payload["interfaces"] + payload["backends"] for a in e["args"])
+    builtins = [e for e in payload["interfaces"] + payload["backends"] if e["origin"] == "builtin"]
+    assert all(a["description"] for e in builtins for a in e["args"])
     only = json.loads(cli("list", "backends", "--json").stdout)
     assert list(only) == ["backends"]
 
