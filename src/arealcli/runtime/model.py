@@ -80,9 +80,17 @@ def build_module(spec: ModelSpec, tokenizer, seed: int, source_module=None):
     elif spec.path is not None:
         try:
             module = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
-        except (OSError, ValueError, KeyError) as e:  # no weights, an unknown architecture, ...
+        except (OSError, ValueError, KeyError) as e:  # no weights, an unknown architecture, no network ...
+            from arealcli.schema.paths import REPO_ID, hub_cache_dir
+
+            where = (
+                f" (not a local directory, not in the Hugging Face cache {hub_cache_dir()}, and not "
+                "downloadable here: fetch it with `huggingface-cli download` where there is a network)"
+                if REPO_ID.match(spec.path)
+                else ""
+            )
             raise UserError(
-                f"cannot load a model from {spec.path}: {str(e).strip().splitlines()[0]}"
+                f"cannot load a model from {spec.path}{where}: {str(e).strip().splitlines()[0]}"
             ) from None
     else:
         with torch.random.fork_rng(devices=[]):

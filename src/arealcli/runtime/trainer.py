@@ -80,7 +80,10 @@ class Trainer:
                     bad.rename(bad.with_name(f"damaged-{bad.name}"))
 
         first_path = next((m.path for m in r.models.values() if m.path), None)
-        self.tokenizer = load_tokenizer(r.tokenizer, first_path and self._resolve(first_path))
+        tok_spec = r.tokenizer
+        if tok_spec is not None and tok_spec.path:  # relative to the recipe, or a Hub name
+            tok_spec = tok_spec.model_copy(update={"path": self._resolve(tok_spec.path)})
+        self.tokenizer = load_tokenizer(tok_spec, first_path and self._resolve(first_path))
         self.dataset = make_dataset(r.dataset, self.tokenizer, str(self.recipe_dir))
         self.notes += getattr(self.dataset, "notes", [])  # rows dropped or cut, for the console
         self.batches = Batches(self.dataset, r.dataset.batch_size, r.dataset.shuffle, r.seed)
@@ -179,8 +182,14 @@ class Trainer:
             )  # once setup worked: no record of a failed start
 
     def _resolve(self, path: str) -> str:
-        p = Path(path).expanduser()
-        return str(p if p.is_absolute() else (self.recipe_dir / p))
+        """A local path (absolute or relative to the recipe), a Hub name's cached snapshot, or the Hub
+        name itself (transformers then downloads it when online)."""
+        from arealcli.schema.paths import REPO_ID, locate, resolve
+
+        found = locate(path, self.recipe_dir)
+        if found is not None:
+            return str(found)
+        return path if REPO_ID.match(path) else str(resolve(path, self.recipe_dir))
 
     # ------------------------------------------------------------------ the loop
 

@@ -9,6 +9,7 @@ empty folder as a tokenizer) or cannot be used at all (`~nosuchuser/x`) is an er
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,41 @@ class PathProblem:
     where: Path_
     message: str
     missing: bool  # the path does not exist (a warning for `areal check`)
+
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+
+
+def hub_cache_dir() -> Path:
+    """Where Hugging Face keeps downloaded repositories (HF_HUB_CACHE, else HF_HOME/hub)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"
+    )
+    return Path(home).expanduser() / "hub"
+
+
+def cached_snapshot(repo_id: str, kind: str = "model") -> Path | None:
+    """The local snapshot folder of a Hub repository in the cache (revision `main`), or None."""
+    folder = hub_cache_dir() / f"{kind}s--{repo_id.replace('/', '--')}"
+    ref = folder / "refs" / "main"
+    if ref.is_file():
+        snapshot = folder / "snapshots" / ref.read_text().strip()
+        if snapshot.is_dir():
+            return snapshot
+    snapshots = sorted((folder / "snapshots").glob("*")) if (folder / "snapshots").is_dir() else []
+    return snapshots[-1] if snapshots else None
+
+
+def locate(path: str, recipe_dir: Path, kind: str = "model") -> Path | None:
+    """A local path (absolute, or relative to `recipe_dir`), else a Hub name found in the cache, else None."""
+    full = resolve(path, recipe_dir)
+    if full.exists():
+        return full
+    if REPO_ID.match(path):
+        return cached_snapshot(path, kind)
+    return None
 
 
 def resolve(path: str, recipe_dir: Path) -> Path:
@@ -72,12 +108,15 @@ def path_problems(recipe: Recipe, recipe_dir: Path) -> list[PathProblem]:
     for where, path, what in wanted:
         try:
             full = resolve(path, recipe_dir)
-            exists = full.exists()
+            found = locate(path, recipe_dir, "dataset" if what.startswith("data") else "model")
         except (ValueError, OSError) as e:
             out.append(PathProblem(where, f"{what} {path!r} is not a usable path ({e})", False))
             continue
-        if not exists:
-            out.append(PathProblem(where, f"{what} {full} does not exist", True))
-        elif what != "data path" and (problem := _kind_problem(full, what)) is not None:
+        if found is None:
+            hub = (
+                f", nor {path!r} in the Hugging Face cache ({hub_cache_dir()})" if REPO_ID.match(path) else ""
+            )
+            out.append(PathProblem(where, f"{what} {full} does not exist{hub}", True))
+        elif what != "data path" and (problem := _kind_problem(found, what)) is not None:
             out.append(PathProblem(where, problem, False))
     return out

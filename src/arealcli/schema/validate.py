@@ -499,6 +499,7 @@ def validate(src: Located) -> Recipe:
     if recipe is not None and len(typed) == len(abstractions):
         for path in typed:
             _at(recipe, path).args = typed[path]
+        _paths_from_the_shell(recipe, src)
         problems.extend(Problem(path, msg) for path, msg in plan.plan_problems(recipe))
     problems.extend(_check_graph(data, typed))
     if preset_problems:  # the dataflow was not expanded: what else is said of it is noise
@@ -517,6 +518,32 @@ def plugin_paths(recipe_dir: Path) -> None:
         entry = str(folder)
         if entry not in sys.path and folder.is_dir():
             sys.path.append(entry)
+
+
+def _paths_from_the_shell(recipe: Recipe, src: Located) -> None:
+    """A relative path given on the command line (`models.actor.path=ckpt/x`) means the shell's current
+    directory, not the recipe's folder: make it absolute (a Hub name that is no local path stays)."""
+    from arealcli.schema.paths import REPO_ID
+
+    def overridden(path: Path_) -> bool:
+        return any(tuple(path[:n]) in src.overridden for n in range(1, len(path) + 1))
+
+    def fix(owner: Any, attr: str, path: Path_) -> None:
+        value = getattr(owner, attr, None)
+        if not isinstance(value, str) or not overridden(path) or Path(value).expanduser().is_absolute():
+            return
+        here = Path.cwd() / value
+        if here.exists() or not REPO_ID.match(value):
+            setattr(owner, attr, str(here))
+
+    for name, spec in recipe.models.items():
+        fix(spec, "path", ("models", name, "path"))
+    if recipe.tokenizer is not None:
+        fix(recipe.tokenizer, "path", ("tokenizer", "path"))
+    for key in ("dataset", "eval_dataset"):
+        spec = getattr(recipe, key)
+        if spec is not None:
+            fix(spec.args, "path", (key, "args", "path"))
 
 
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
