@@ -530,8 +530,8 @@ def _paths_from_the_shell(recipe: Recipe, src: Located) -> None:
 
     def fix(owner: Any, attr: str, path: Path_) -> None:
         value = getattr(owner, attr, None)
-        if not isinstance(value, str) or not overridden(path) or Path(value).expanduser().is_absolute():
-            return
+        if not isinstance(value, str) or not overridden(path) or value.startswith(("~", "/")):
+            return  # (`~user` paths are expanded, and checked, where they are used)
         here = Path.cwd() / value
         if here.exists() or not REPO_ID.match(value):
             setattr(owner, attr, str(here))
