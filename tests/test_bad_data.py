@@ -103,5 +103,9 @@ def test_wrong_kind_of_path_is_an_error_for_check_and_train(ws, cli, what):
         result = cli(command, recipe, "-o", ws.root / "run") if command == "train" else cli(command, recipe)
         assert result.exit_code == 2, result.output
         assert "Traceback" not in result.output
-        expected = {"dataset": "is a directory", "model": "no config.json", "tokenizer": "no tokenizer files"}
+        expected = {
+            "dataset": "holds no data files",
+            "model": "no config.json",
+            "tokenizer": "no tokenizer files",
+        }
         assert expected[what] in result.stderr, result.stderr

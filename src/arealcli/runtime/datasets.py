@@ -9,8 +9,15 @@ from typing import Any
 import torch
 
 from arealcli.errors import DataError
+from arealcli.runtime.chat import (
+    messages_problem,
+    render_conversation,
+    render_prompt,
+    require_template,
+    with_system,
+)
 from arealcli.runtime.data import SequenceSample
-from arealcli.schema.components.datasets import PromptAnswerArgs
+from arealcli.schema.components.datasets import ChatArgs, PromptAnswerArgs
 
 MAX_REPORTED = 5  # bad rows named in one error
 
@@ -69,74 +76,135 @@ def _kind(value: Any) -> str:
     )
 
 
-class PromptAnswerDataset:
-    """JSONL rows with a prompt and an answer (a string, a number, or a list of accepted answers).
+def load_rows(args, base_dir: str | Path) -> tuple[str, list[tuple[str, Any]], list[str]]:
+    """(source name, [(where, row)], [problems]) of a data source: a JSONL file read line by line (every
+    bad line named), or anything else through the `datasets` library."""
+    from arealcli.schema.paths import REPO_ID
 
-    Every row is checked: a row that is not an object, a missing, null or non-text prompt, or an answer
-    that is not text, a number or a non-empty list of those is an error naming the file and line. A row
-    whose prompt alone is `max_length` tokens or more is dropped (it leaves no room for an answer); one
-    whose prompt + answer is longer has its answer cut. Both are counted and reported (`notes`).
+    path = Path(args.path).expanduser()
+    if not path.is_absolute():
+        path = Path(base_dir) / path
+    if path.suffix == ".jsonl" or (path.is_file() and path.suffix not in DATASETS_FORMATS):
+        if not path.exists():
+            raise DataError(f"dataset file {path} does not exist")
+        parsed, bad = read_jsonl(path)
+        return str(path), [(f"{path}:{n}", row) for n, row in parsed], bad
+    if path.exists():
+        source = str(path)
+    elif REPO_ID.match(args.path) or "/" not in args.path:
+        source = args.path  # a Hub dataset name: from the cache (or downloaded, when online)
+    else:
+        raise DataError(f"dataset {path} does not exist")
+    table = _load_dataset(source, path if path.exists() else None, args)
+    return source, [(f"{source} [{args.split}] row {i}", row) for i, row in enumerate(table)], []
+
+
+DATASETS_FORMATS = {".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+
+
+def _load_dataset(source: str, path: Path | None, args) -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"reading {source} needs the `datasets` package: pip install datasets") from None
+    datasets.disable_progress_bars()
+    try:
+        if path is not None and path.is_file():
+            fmt = DATASETS_FORMATS[path.suffix]
+            table = datasets.load_dataset(fmt, data_files={args.split: str(path)}, split=args.split)
+        elif path is not None and any((path / f).exists() for f in ("state.json", "dataset_dict.json")):
+            loaded = datasets.load_from_disk(str(path))  # a folder written by save_to_disk
+            table = loaded[args.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+        else:  # a folder of data files, or a Hub name (from the cache)
+            table = datasets.load_dataset(
+                str(path) if path is not None else source, args.subset, split=args.split
+            )
+    except Exception as e:  # not found, offline, unknown split, bad file: one message
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"cannot read the dataset {source} (split {args.split!r}): {first}") from None
+    if args.limit is not None:
+        table = table.select(range(min(args.limit, len(table))))
+    return table
+
+
+class PromptAnswerDataset:
+    """Rows with a prompt (text, or chat messages with messages_key) and an answer (text, a number, or a list
+    of accepted answers), from a JSONL file or anything the `datasets` library reads.
+
+    Every row is checked: a row that is not an object, a missing, null or non-text prompt, bad messages,
+    or an answer that is not text, a number or a non-empty list of those is an error naming the file and
+    line (or row). With `apply_chat_template` the prompt is rendered with the tokenizer's chat template
+    and its generation prompt. A row whose prompt alone is `max_length` tokens or more is dropped (it
+    leaves no room for an answer); one whose prompt + answer is longer has its answer cut. Both are
+    counted and reported (`notes`).
     """
 
     Args = PromptAnswerArgs
     provides = ("packed_input_ids", "prompt_mask", "packed_prompts", "prompt", "answers")
 
     def __init__(self, args: PromptAnswerArgs, tokenizer, base_dir: str | Path = "."):
-        path = Path(args.path).expanduser()
-        if not path.is_absolute():
-            path = Path(base_dir) / path
-        if not path.exists():
-            raise DataError(f"dataset file {path} does not exist")
-        self.path, self.args, self.tokenizer = path, args, tokenizer
-        self.notes: list[str] = []  # what was dropped or cut, for the console
+        self.args, self.tokenizer = args, tokenizer
+        if args.messages_key is not None or args.apply_chat_template:
+            require_template(tokenizer)
+        self.path, rows, self.notes = self._read(args, base_dir)
+        self.items, dropped, cut = [], [], []
+        for where, row in rows:
+            item = self._encode(len(self.items), row)
+            if len(item["prompt_ids"]) >= args.max_length:
+                dropped.append(where)
+                continue
+            if item["truncated"]:
+                cut.append(where)
+            self.items.append(item)
+        if dropped:
+            self.notes.append(
+                f"{self.path}: dropped {len(dropped)} of {len(rows)} rows whose prompt alone is {args.max_length} "
+                f"tokens or more (max_length) — {_lines(dropped)}"
+            )
+        if cut:
+            self.notes.append(
+                f"{self.path}: cut the answer of {len(cut)} of {len(rows)} rows to fit max_length "
+                f"({args.max_length} tokens) — {_lines(cut)}"
+            )
+        if not self.items:
+            raise DataError(
+                f"{self.path}: every row's prompt is longer than max_length ({args.max_length} tokens); "
+                "raise dataset.args.max_length"
+            )
+
+    def _read(self, args, base_dir) -> tuple[str, list[tuple[str, Any]], list[str]]:
+        """Validated rows (up to `limit`); every bad row named at once."""
+        source, parsed, bad = load_rows(args, base_dir)
         rows = []
-        parsed, bad = read_jsonl(path)
-        for lineno, row in parsed:
+        for where, row in parsed:
             if args.limit is not None and len(rows) >= args.limit:
                 break
             problem = self._row_problem(row)
             if problem:
-                bad.append(f"{path}:{lineno}: {problem}")
+                bad.append(f"{where}: {problem}")
             else:
-                rows.append((lineno, row))
-        _raise_bad(sorted(bad, key=lambda line: int(line[len(str(path)) + 1 :].split(":")[0])))
+                rows.append((where, row))
+        _raise_bad(bad)
         if not rows:
-            raise DataError(f"{path} has no rows (an empty or blank file); each line must be a JSON object")
-        self.items, dropped, cut = [], [], []
-        for lineno, row in rows:
-            item = self._encode(len(self.items), row)
-            if len(item["prompt_ids"]) >= args.max_length:
-                dropped.append(lineno)
-                continue
-            if item["truncated"]:
-                cut.append(lineno)
-            self.items.append(item)
-        if dropped:
-            self.notes.append(
-                f"{path}: dropped {len(dropped)} of {len(rows)} rows whose prompt alone is {args.max_length} "
-                f"tokens or more (max_length) — lines {_lines(dropped)}"
-            )
-        if cut:
-            self.notes.append(
-                f"{path}: cut the answer of {len(cut)} of {len(rows)} rows to fit max_length "
-                f"({args.max_length} tokens) — lines {_lines(cut)}"
-            )
-        if not self.items:
-            raise DataError(
-                f"{path}: every row's prompt is longer than max_length ({args.max_length} tokens); "
-                "raise dataset.args.max_length"
-            )
+            raise DataError(f"{source} has no rows (an empty or blank file); each row must be an object")
+        return source, rows, []
 
     def _row_problem(self, row: Any) -> str | None:
         a = self.args
+        prompt_key = a.messages_key or a.prompt_key
         if not isinstance(row, dict):
-            return f"a row must be a JSON object with {a.prompt_key!r} and {a.answer_key!r}, got {_kind(row)}"
-        for key in (a.prompt_key, a.answer_key):
+            return f"a row must be a JSON object with {prompt_key!r} and {a.answer_key!r}, got {_kind(row)}"
+        for key in (prompt_key, a.answer_key):
             if key not in row:
                 return f"row has no {key!r} field (has {sorted(row)})"
-        prompt = row[a.prompt_key]
-        if _text(prompt) is None or (isinstance(prompt, str) and not prompt):
-            return f"{a.prompt_key!r} must be a non-empty text, got {_kind(prompt) if prompt != '' else 'an empty text'}"
+        if a.messages_key is not None:
+            problem = messages_problem(row[a.messages_key], a.messages_key)
+            if problem:
+                return problem
+        else:
+            prompt = row[a.prompt_key]
+            if _text(prompt) is None or (isinstance(prompt, str) and not prompt):
+                return f"{a.prompt_key!r} must be a non-empty text, got {_kind(prompt) if prompt != '' else 'an empty text'}"
         answer = row[a.answer_key]
         answers = answer if isinstance(answer, list) else [answer]
         if not answers:
@@ -148,10 +216,18 @@ class PromptAnswerDataset:
 
     def _encode(self, index: int, row: dict[str, Any]) -> dict[str, Any]:
         a, tok = self.args, self.tokenizer
-        prompt = _text(row[a.prompt_key])
+        if a.messages_key is not None or a.apply_chat_template:
+            messages = (
+                row[a.messages_key]
+                if a.messages_key
+                else [{"role": "user", "content": _text(row[a.prompt_key])}]
+            )
+            prompt, prompt_ids = render_prompt(tok, with_system(messages, a.system_prompt))
+        else:
+            prompt = _text(row[a.prompt_key])
+            prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         answers = row[a.answer_key] if isinstance(row[a.answer_key], list) else [row[a.answer_key]]
         answers = [_text(x) for x in answers]
-        prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         answer_ids = tok(answers[0], add_special_tokens=False)["input_ids"]
         if a.append_eos:
             answer_ids = answer_ids + [tok.eos_token_id]
@@ -189,9 +265,78 @@ class PromptAnswerDataset:
         )
 
 
-def _lines(linenos: list[int]) -> str:
-    shown = ", ".join(map(str, linenos[:MAX_REPORTED]))
-    return shown + (f", ... ({len(linenos) - MAX_REPORTED} more)" if len(linenos) > MAX_REPORTED else "")
+class ChatDataset:
+    """Conversations for multi-turn SFT: the loss is on the assistant's tokens only.
+
+    Each row's `messages` ([{role, content}], roles system/user/assistant/tool) is rendered with the
+    tokenizer's chat template; `loss_mask` is True on the tokens of assistant messages (content and end
+    of turn), so prompts, system text and tool output never get gradient. `prompt_mask` marks what comes
+    before the first assistant token. Conversations longer than max_length are cut (counted).
+    """
+
+    Args = ChatArgs
+    provides = ("packed_input_ids", "prompt_mask", "loss_mask", "prompt")
+
+    def __init__(self, args: ChatArgs, tokenizer, base_dir: str | Path = "."):
+        self.args, self.tokenizer = args, tokenizer
+        require_template(tokenizer)
+        self.path, parsed, bad = load_rows(args, base_dir)
+        self.notes: list[str] = []
+        rows = []
+        for where, row in parsed:
+            if args.limit is not None and len(rows) >= args.limit:
+                break
+            if not isinstance(row, dict) or args.messages_key not in row:
+                got = sorted(row) if isinstance(row, dict) else _kind(row)
+                bad.append(f"{where}: row has no {args.messages_key!r} field (has {got})")
+                continue
+            problem = messages_problem(row[args.messages_key], args.messages_key)
+            if problem is None and not any(m["role"] == "assistant" for m in row[args.messages_key]):
+                problem = f"{args.messages_key!r} has no assistant message: nothing to learn"
+            if problem:
+                bad.append(f"{where}: {problem}")
+            else:
+                rows.append((where, row))
+        _raise_bad(bad)
+        if not rows:
+            raise DataError(f"{self.path} has no rows (an empty or blank file)")
+        self.items, cut = [], []
+        for where, row in rows:
+            ids, mask = render_conversation(
+                tokenizer, with_system(row[args.messages_key], args.system_prompt)
+            )
+            if len(ids) > args.max_length:
+                cut.append(where)
+                ids, mask = ids[: args.max_length], mask[: args.max_length]
+            first = mask.index(True) if True in mask else len(mask)
+            self.items.append({"id": len(self.items), "ids": ids, "mask": mask, "prompt_len": first})
+        if cut:
+            self.notes.append(
+                f"{self.path}: cut {len(cut)} of {len(rows)} conversations to max_length ({args.max_length} tokens) — {_lines(cut)}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def collate(self, indices: list[int]) -> SequenceSample:
+        items = [self.items[i] for i in indices]
+        return SequenceSample.from_lists(
+            [it["id"] for it in items],
+            {
+                "packed_input_ids": [torch.tensor(it["ids"]) for it in items],
+                "loss_mask": [torch.tensor(it["mask"], dtype=torch.bool) for it in items],
+                "prompt_mask": [torch.arange(len(it["ids"])) < it["prompt_len"] for it in items],
+            },
+            {"prompt": [self.tokenizer.decode(it["ids"][: it["prompt_len"]]) for it in items]},
+        )
+
+
+def _lines(wheres: list[str]) -> str:
+    """`file:3, file:9` -> `lines 3, 9`; rows of other sources as they are."""
+    short = [w.rsplit(":", 1)[1] if ":" in w and w.rsplit(":", 1)[1].isdigit() else w for w in wheres]
+    label = "lines " if all(s.isdigit() for s in short) else ""
+    shown = ", ".join(short[:MAX_REPORTED])
+    return label + shown + (f", ... ({len(short) - MAX_REPORTED} more)" if len(short) > MAX_REPORTED else "")
 
 
 def _source(dataset) -> str:

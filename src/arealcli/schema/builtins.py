@@ -15,7 +15,7 @@ from arealcli.schema.components.backends import (
     SGLangBackendArgs,
     VLLMBackendArgs,
 )
-from arealcli.schema.components.datasets import PromptAnswerArgs
+from arealcli.schema.components.datasets import ChatArgs, PromptAnswerArgs
 from arealcli.schema.components.interfaces import (
     PPOActorArgs,
     PPOCriticArgs,
@@ -104,13 +104,9 @@ for _name, _target, _args, _caps in [
     BACKENDS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__, "builtin", capabilities=_caps))
 
 PROMPT_ANSWER_KEYS = frozenset({"packed_input_ids", "prompt_mask", "packed_prompts", "prompt", "answers"})
-DATASETS.add(
-    Entry(
-        "prompt_answer",
-        f"{_R}.datasets:PromptAnswerDataset",
-        PromptAnswerArgs,
-        PromptAnswerArgs.__doc__,
-        "builtin",
-        data_keys=PROMPT_ANSWER_KEYS,
-    )
-)
+CHAT_KEYS = frozenset({"packed_input_ids", "prompt_mask", "loss_mask", "prompt"})
+for _name, _target, _args, _keys in [
+    ("prompt_answer", "PromptAnswerDataset", PromptAnswerArgs, PROMPT_ANSWER_KEYS),
+    ("chat", "ChatDataset", ChatArgs, CHAT_KEYS),
+]:
+    DATASETS.add(Entry(_name, f"{_R}.datasets:{_target}", _args, _args.__doc__, "builtin", data_keys=_keys))

@@ -73,11 +73,23 @@ def resolve(path: str, recipe_dir: Path) -> Path:
     return p if p.is_absolute() else recipe_dir / p
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
+
+
 def _kind_problem(full: Path, what: str) -> str | None:
     """Why an existing `full` is not usable as `what`, or None."""
+    if what == "data path":
+        if full.is_dir():
+            saved = any((full / f).exists() for f in ("state.json", "dataset_dict.json"))
+            if not saved and not any(p.suffix in DATA_SUFFIXES for p in full.rglob("*") if p.is_file()):
+                return f"data folder {full} holds no data files ({', '.join(DATA_SUFFIXES)})"
+            return None
+        if full.suffix not in DATA_SUFFIXES:
+            return f"data file {full} is not one of {', '.join(DATA_SUFFIXES)}"
+        return None
     if what == "data file":
         if full.is_dir():
-            return f"{what} {full} is a directory; give the JSONL file inside it"
+            return f"{what} {full} is a directory; give the JSONL file inside it (or a folder of data files)"
         if not os.access(full, os.R_OK):
             return f"{what} {full} is not readable (permissions)"
         return None
@@ -102,7 +114,9 @@ def path_problems(recipe: Recipe, recipe_dir: Path) -> list[PathProblem]:
         spec = getattr(recipe, key)
         path = getattr(spec.args, "path", None) if spec is not None else None
         if isinstance(path, str):
-            kind = "data file" if spec.type_ == "prompt_answer" else "data path"
+            kind = (
+                "data file" if path.endswith(".jsonl") else "data path"
+            )  # others: files, folders, Hub names
             wanted.append(((key, "args", "path"), path, kind))
     out = []
     for where, path, what in wanted:
@@ -117,6 +131,6 @@ def path_problems(recipe: Recipe, recipe_dir: Path) -> list[PathProblem]:
                 f", nor {path!r} in the Hugging Face cache ({hub_cache_dir()})" if REPO_ID.match(path) else ""
             )
             out.append(PathProblem(where, f"{what} {full} does not exist{hub}", True))
-        elif what != "data path" and (problem := _kind_problem(found, what)) is not None:
+        elif (problem := _kind_problem(found, what)) is not None:
             out.append(PathProblem(where, problem, False))
     return out

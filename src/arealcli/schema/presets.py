@@ -249,6 +249,10 @@ def expand_in_place(src: Located) -> list[tuple[Path_, str]]:
         return [(("dataflow", k), f"the {spec.preset} preset does not use `{k}`") for k in unused]
     models = src.data.get("models") if isinstance(src.data.get("models"), dict) else {}
     calls, origin = expand(spec.model_dump(exclude_none=True), models)
+    if "loss_mask" in _dataset_keys(src.data.get("dataset")):  # chat data: the loss on assistant tokens
+        for call in calls:
+            if call["interface"]["type_"] == "sft":
+                call["inputs"].append("loss_mask")
     for i, call in enumerate(calls):
         here = ("dataflow", "calls", i)
         src.aliases[here] = ("dataflow", f"preset[{spec.preset}]", call["name"])
@@ -273,6 +277,13 @@ def expand_in_place(src: Located) -> list[tuple[Path_, str]]:
             )
     src.data["dataflow"] = {"calls": calls}
     return []
+
+
+def _dataset_keys(raw: Any) -> frozenset[str]:
+    from arealcli.schema.registry import DATASETS
+
+    kind = raw.get("type_") if isinstance(raw, dict) else None
+    return DATASETS.get(kind).data_keys if isinstance(kind, str) and kind in DATASETS else frozenset()
 
 
 def _problems(err: ValidationError, model):

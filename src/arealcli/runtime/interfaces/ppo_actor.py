@@ -178,7 +178,7 @@ class PPOActorInterface(ModelInterface):
         train = data.select(["packed_input_ids", "prompt_mask"])
         train.data["advantages"] = to_packed(adv, data)
         train.data["old_logp"] = data.data["packed_logprobs"].float()
-        train.data["loss_mask"] = to_packed(mask.float(), data)
+        train.data["action_mask"] = to_packed(mask.float(), data)
         if "packed_ref_logprobs" in data.data:
             train.data["ref_logp"] = data.data["packed_ref_logprobs"].float()
         if a.use_decoupled_loss:
@@ -188,7 +188,7 @@ class PPOActorInterface(ModelInterface):
                     "the trained model before this one (the grpo/ppo presets add `actor_prox`)"
                 )
             train.data["prox_logp"] = data.data["packed_prox_logprobs"].float()
-        for k in ("advantages", "old_logp", "loss_mask", "ref_logp", "prox_logp"):
+        for k in ("advantages", "old_logp", "action_mask", "ref_logp", "prox_logp"):
             if k in train.data:
                 train.seqlens[k] = list(train.seqlens["packed_input_ids"])
         kept = [i for i in range(data.bs) if keep[i]]
@@ -221,7 +221,7 @@ class PPOActorInterface(ModelInterface):
         return stats
 
     def _action_mask(self, mb: SequenceSample) -> torch.Tensor:
-        return answer_token_mask(mb) & mb.data["loss_mask"].bool()
+        return answer_token_mask(mb) & mb.data["action_mask"].bool()
 
     def _loss_weight(self, mb: SequenceSample) -> float:
         m, _ = response_view(self._action_mask(mb).float(), mb)
@@ -237,7 +237,7 @@ class PPOActorInterface(ModelInterface):
         logp, _ = response_view(logp_tok, mb)  # (B, T)
         old, _ = response_view(mb.data["old_logp"].to(logits.device), mb)
         adv, _ = response_view(mb.data["advantages"].to(logits.device), mb)
-        mask, _ = response_view(mb.data["loss_mask"].to(logits.device), mb)
+        mask, _ = response_view(mb.data["action_mask"].to(logits.device), mb)
         prox = (
             response_view(mb.data["prox_logp"].to(logits.device), mb)[0] if "prox_logp" in mb.data else None
         )

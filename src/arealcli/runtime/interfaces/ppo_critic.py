@@ -35,7 +35,11 @@ class PPOCriticInterface(ModelInterface):
         # from the `returns` call when the dataflow has one: the actor's KL coefficient and shaping
         r = compute_returns(data, a.shaping, a.gae_lambda, a.shaping.kl_ctl)
         train = data.select(["packed_input_ids", "prompt_mask"])
-        for key, padded in (("returns", r.returns), ("old_values", r.values), ("loss_mask", r.mask.float())):
+        for key, padded in (
+            ("returns", r.returns),
+            ("old_values", r.values),
+            ("action_mask", r.mask.float()),
+        ):
             train.data[key] = to_packed(padded, data)
             train.seqlens[key] = list(train.seqlens["packed_input_ids"])
         train.data["ended"] = 1.0 - data.data["seq_no_eos_mask"].float()  # (B,) 1 where the response hit EOS
@@ -50,7 +54,7 @@ class PPOCriticInterface(ModelInterface):
                     train.subset(idx),
                     mb_spec,
                     self._loss_fn,
-                    lambda mb: float(mb.data["loss_mask"].sum()),
+                    lambda mb: float(mb.data["action_mask"].sum()),
                     version_steps=model.version.global_step,
                     lr_scale=a.lr_scale,
                 )
@@ -66,7 +70,7 @@ class PPOCriticInterface(ModelInterface):
         v, _ = response_view(values.float(), mb)  # (B, T)
         old, _ = response_view(mb.data["old_values"].to(values.device), mb)
         ret, _ = response_view(mb.data["returns"].to(values.device), mb)
-        mask, _ = response_view(mb.data["loss_mask"].to(values.device), mb)
+        mask, _ = response_view(mb.data["action_mask"].to(values.device), mb)
         loss, stats = F.critic_loss(v, old, ret, mask, value_eps_clip=self.args.value_eps_clip)
         # A terminal state (after EOS) has value 0. Training that anchors the final-state values, which
         # truncated responses bootstrap from and which no action position trains otherwise (without it

@@ -15,12 +15,14 @@ from arealcli.schema.components.interfaces import SFTArgs
 
 
 def answer_token_mask(mb: SequenceSample) -> torch.Tensor:
-    """(tokens,) bool: True where the *next* token is an answer token (the positions that predict it).
+    """(tokens,) bool: True where the *next* token is one the loss counts (the positions that predict it).
 
-    Position t of a sequence predicts token t+1; the last position of each sequence predicts nothing.
+    The counted tokens are those of `loss_mask` when the batch has one (multi-turn chat: every assistant
+    turn), else everything after the prompt (`prompt_mask`). Position t of a sequence predicts token
+    t+1; the last position of each sequence predicts nothing.
     """
-    prompt_mask = mb.data["prompt_mask"].bool()
-    target_is_answer = torch.roll(~prompt_mask, shifts=-1)  # (tokens,)
+    counted = mb.data["loss_mask"].bool() if "loss_mask" in mb.data else ~mb.data["prompt_mask"].bool()
+    target_is_answer = torch.roll(counted, shifts=-1)  # (tokens,)
     ends = mb.cu_seqlens("packed_input_ids")[1:] - 1
     target_is_answer[ends] = False
     return target_is_answer

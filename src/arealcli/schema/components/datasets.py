@@ -7,12 +7,43 @@ from pydantic import Field, PositiveInt
 from arealcli.schema.base import StrictModel
 
 
-class PromptAnswerArgs(StrictModel):
-    """JSONL rows with a prompt and an answer (extra fields are kept as metadata)."""
+class DataSourceArgs(StrictModel):
+    """Where rows come from: a local file or folder, or a dataset name from the Hugging Face cache."""
 
-    path: str = Field(description="JSONL file, relative to the recipe file or absolute.")
-    prompt_key: str = Field("prompt", description="Field holding the prompt text.")
-    answer_key: str = Field("answer", description="Field holding the answer text (list of strings allowed).")
-    max_length: PositiveInt = Field(1024, description="Prompt + answer tokens above this are truncated.")
-    append_eos: bool = Field(True, description="End each answer with the tokenizer's EOS token.")
+    path: str = Field(
+        description="JSONL / JSON / Parquet / Arrow / CSV file, a folder of them (or one saved with "
+        "`save_to_disk`), relative to the recipe file or absolute; or a Hub dataset name (e.g. openai/gsm8k) "
+        "found in the Hugging Face cache."
+    )
+    split: str = Field("train", description="Split to read (files and folders: the split their files form).")
+    subset: str | None = Field(None, description="Configuration of a Hub dataset (e.g. `main` for gsm8k).")
     limit: PositiveInt | None = Field(None, description="Use only the first N rows.")
+    max_length: PositiveInt = Field(
+        1024, le=1 << 22, description="Longest sequence in tokens (see each dataset)."
+    )
+    system_prompt: str | None = Field(None, description="A system message put first (chat templates only).")
+
+
+class PromptAnswerArgs(DataSourceArgs):
+    """Rows with a prompt (text or chat messages) and an answer; extra fields are ignored."""
+
+    prompt_key: str = Field("prompt", description="Field holding the prompt text.")
+    answer_key: str = Field(
+        "answer", description="Field holding the answer: text, a number, or a list of accepted answers."
+    )
+    messages_key: str | None = Field(
+        None,
+        description="Field holding the prompt as chat messages [{role, content}] (instead of prompt_key).",
+    )
+    apply_chat_template: bool = Field(
+        False,
+        description="Render prompts with the tokenizer's chat template, ending with its generation prompt "
+        "(instruct models).",
+    )
+    append_eos: bool = Field(True, description="End each answer with the tokenizer's EOS token.")
+
+
+class ChatArgs(DataSourceArgs):
+    """Conversations for multi-turn SFT: the loss is on the assistant's tokens only."""
+
+    messages_key: str = Field("messages", description="Field holding the conversation [{role, content}].")
