@@ -50,7 +50,8 @@ def test_schema_types_args_by_type_(schema):
     assert list(validator.iter_errors(recipe))
 
 
-def test_list_one_component_expands_nested_settings(cli):
+def test_list_one_component_expands_nested_settings(cli, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
     result = cli("list", "ppo_actor", "--json")
     assert result.exit_code == 0, result.output
     (actor,) = json.loads(result.stdout)["interfaces"]

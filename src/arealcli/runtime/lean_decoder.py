@@ -20,6 +20,8 @@ def supports(module) -> bool:
         return False
     if getattr(cfg, "use_sliding_window", False):
         return False
+    if any(hasattr(m, "lora_A") for m in module.modules()):  # LoRA layers: the lean path reads raw weights
+        return False
     return all(hasattr(module, a) for a in ("model", "lm_head")) and hasattr(module.model, "rotary_emb")
 
 

@@ -101,3 +101,42 @@ def build_module(spec: ModelSpec, tokenizer, seed: int, source_module=None):
 
         module = with_value_head(module, seed)
     return module
+
+
+class BaseModelView:
+    """Another model's engine with its LoRA adapters switched off: its base weights, shared (no copy).
+    Runs forward passes and generation (e.g. the reference log-probs of an RL run with LoRA)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def _off(self):
+        return self.engine.module.disable_adapter()  # peft's context manager
+
+    def forward(self, *args, **kwargs):
+        with self._off():
+            return self.engine.forward(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        with self._off():
+            return self.engine.generate(*args, **kwargs)
+
+    def eval_batch(self, *args, **kwargs):
+        with self._off():
+            return self.engine.eval_batch(*args, **kwargs)
+
+
+class _ViewBackend:
+    """What the trainer needs of a backend for a view: nothing to save, load or release."""
+
+    capabilities = frozenset({"forward", "generate"})
+
+    def save(self, model, save_dir) -> None: ...
+    def load(self, model, load_dir) -> None: ...
+    def destroy(self, model) -> None: ...
+
+
+def base_model_view(name: str, source: Model) -> Model:
+    model = Model(name, BaseModelView(source.module), source.tokenizer, source.device, source.dtype)
+    model.backend = _ViewBackend()
+    return model

@@ -25,7 +25,7 @@ from arealcli.runtime import distributed
 from arealcli.runtime.dataflow import Call, run_calls
 from arealcli.runtime.datasets import Batches
 from arealcli.runtime.metrics import JSONLSink, MetricLogger, WandbSink, tensorboard_sink
-from arealcli.runtime.model import FinetuneSpec, Model, build_module
+from arealcli.runtime.model import FinetuneSpec, Model, base_model_view, build_module
 from arealcli.runtime.registry import make_backend, make_dataset, make_interface
 from arealcli.runtime.rollout import RolloutProducer
 from arealcli.runtime.tokenizer import load_tokenizer
@@ -40,7 +40,8 @@ def model_build_order(recipe: Recipe) -> list[str]:
         ready = [
             name
             for name, spec in recipe.models.items()
-            if name not in order and (spec.init_from is None or spec.init_from in order)
+            if name not in order
+            and all(src is None or src in order for src in (spec.init_from, spec.base_of))
         ]
         if not ready:
             raise UserError(f"init_from forms a cycle among {sorted(set(recipe.models) - set(order))}")
@@ -108,16 +109,26 @@ class Trainer:
         raw: dict[str, Any] = {}
         for i, name in enumerate(model_build_order(r)):
             mspec = r.models[name]
+            if mspec.base_of is not None:
+                continue  # a view of another model, built below
             if mspec.path:
                 mspec = mspec.model_copy(update={"path": self._resolve(mspec.path)})
             raw[name] = build_module(mspec, self.tokenizer, r.seed + i, raw.get(mspec.init_from))
         for name in model_build_order(r):
+            if r.models[name].base_of is not None:  # e.g. the reference model: the actor with adapters off
+                self.models[name] = base_model_view(name, self.models[r.models[name].base_of])
+                continue
             module = raw[name]
-            if resume_from is not None and name in self.trained:
+            backend = make_backend(r.models[name].backend)
+            if (
+                resume_from is not None
+                and name in self.trained
+                and not getattr(backend, "resumes_weights", False)
+            ):
                 with ckpt.reading(resume_from / name):
                     ckpt.load_hf_weights(module, resume_from / name)
             model = Model(name, module, self.tokenizer)
-            model = make_backend(r.models[name].backend).initialize(model, spec)
+            model = backend.initialize(model, spec)
             if resume_from is not None and name in self.trained:
                 with ckpt.reading(resume_from / name):
                     model.backend.load(model, str(resume_from / name))
@@ -256,7 +267,11 @@ class Trainer:
                 c = spec.config
                 source = f"{c.family} {c.hidden_size}x{c.num_hidden_layers} from config"
             follow = f", follows {spec.weights_from}" if spec.weights_from else ""
-            models.append(f"{name} ({source}; {spec.backend.type_}{follow})")
+            if spec.base_of:
+                source, follow = f"base of {spec.base_of}, adapters off", ""
+            models.append(
+                f"{name} ({source}; {spec.backend.type_ if not spec.base_of else 'shared'}{follow}{_params(self.models.get(name))})"
+            )
         calls = " -> ".join(
             c.name
             + (
@@ -367,6 +382,22 @@ class Trainer:
                 model.backend.destroy(model)
         if getattr(self, "producer", None) is not None:
             self.producer.join()  # its workers end once the engines they waited on are closed
+
+
+def _params(model) -> str:
+    """`, 180k of 690k params train` for an in-process model that trains a part of its weights."""
+    module = getattr(getattr(model, "module", None), "module", None)
+    if not isinstance(module, torch.nn.Module):
+        return ""
+    total = sum(p.numel() for p in module.parameters())
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    if trained in (0, total):
+        return ""
+
+    def short(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+    return f", {short(trained)} of {short(total)} params train"
 
 
 def drop_metrics_after(path: Path, step: int) -> None:

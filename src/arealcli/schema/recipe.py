@@ -72,6 +72,11 @@ class ModelSpec(StrictModel):
         description="Follow a trained model's weights: loaded into this one after every step that trains it "
         "(e.g. generation servers of the actor).",
     )
+    base_of: str | None = Field(
+        None,
+        description="The base model under another model's LoRA adapters (adapters off), sharing its memory: "
+        "e.g. the reference model of an RL run with LoRA (`ref: {base_of: actor}`).",
+    )
     value_head: bool = Field(False, description="Replace the LM head by a scalar value head (critics).")
     backend: ModelBackendAbstraction = Field(
         default_factory=lambda: ModelBackendAbstraction(type_="hf"), description="Backend running this model."
@@ -79,11 +84,11 @@ class ModelSpec(StrictModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
-        sources = [s for s in ("path", "config", "init_from") if getattr(self, s) is not None]
+        sources = [s for s in ("path", "config", "init_from", "base_of") if getattr(self, s) is not None]
         if len(sources) != 1:
             raise ValueError(
-                "a model needs exactly one of `path` (HF directory), `config` (build from config) or "
-                f"`init_from` (another model of the recipe); got {sources or 'none'}"
+                "a model needs exactly one of `path` (HF directory), `config` (build from config), "
+                f"`init_from` (another model of the recipe) or `base_of` (a LoRA model's base); got {sources or 'none'}"
             )
         return self
 

@@ -284,7 +284,7 @@ def _check_graph(data: dict, typed: Typed) -> list[Problem]:
                 )
     problems.extend(_check_init_from(models, list(raw_models)))
     used = {c.model for c in calls if c.model is not None}
-    sources = {m.init_from for m in models.values()} | {m.weights_from for m in models.values()}
+    sources = {getattr(m, k) for m in models.values() for k in ("init_from", "weights_from", "base_of")}
     for name in raw_models if used <= set(raw_models) else ():  # (a misspelled call model is said above)
         if name not in used and name not in sources:
             problems.append(
@@ -321,6 +321,7 @@ def _check_graph(data: dict, typed: Typed) -> list[Problem]:
                     "its training; drop weights_from or the train_step call",
                 )
             )
+    problems.extend(_check_lora(calls, models, trained, typed))
     problems.extend(_check_capabilities(calls, models, trained))
     if data.get("rollout") is not None:
         problems.extend(_check_rollout(calls, models, trained, dataset_keys))
@@ -330,7 +331,46 @@ def _check_graph(data: dict, typed: Typed) -> list[Problem]:
     return problems
 
 
+def _check_lora(calls: list, models: dict[str, ModelSpec], trained: set[str], typed: Typed) -> list[Problem]:
+    """LoRA: not on a value-head model; `base_of` names a LoRA model and is only used for inference."""
+    problems = []
+    lora = {n for n in models if getattr(typed.get(("models", n, "backend")), "lora", None) is not None}
+    for name, spec in models.items():
+        if name in lora and spec.value_head:
+            problems.append(
+                Problem(
+                    ("models", name, "backend", "args", "lora"),
+                    "LoRA on a value-head model (a critic) is not supported",
+                )
+            )
+        if spec.base_of is None:
+            continue
+        where = ("models", name, "base_of")
+        if spec.base_of not in models:
+            problems.append(
+                Problem(where, f"no such model{suggest(spec.base_of, list(models))}", spec.base_of)
+            )
+        elif spec.base_of not in lora:
+            problems.append(
+                Problem(
+                    where,
+                    f"model {spec.base_of!r} has no LoRA adapters (backend args `lora:`), so it has no separate base",
+                    spec.base_of,
+                )
+            )
+        if name in trained or spec.weights_from is not None:
+            problems.append(
+                Problem(
+                    where,
+                    "a base_of model shares another model's weights: it cannot be trained or follow weights",
+                )
+            )
+    return problems
+
+
 def _capabilities(spec: ModelSpec) -> frozenset[str] | None:
+    if spec.base_of is not None:  # a view of another model's base weights
+        return frozenset({"forward", "generate"})
     try:
         return BACKENDS.get(spec.backend.type_).capabilities
     except RegistryError:

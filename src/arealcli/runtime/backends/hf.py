@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import torch
 
@@ -34,6 +35,37 @@ def run_packed(module, mb: SequenceSample, device) -> torch.Tensor:
     out = module(input_ids=ids)
     out = out.logits if hasattr(out, "logits") else out
     return out[mask]  # row-major: sample 0's tokens, then sample 1's, ... = the packed order
+
+
+ADAPTER_DIR = "adapter"  # LoRA adapters inside an HF export (peft's save_pretrained layout)
+
+
+def with_lora(module, cfg):
+    """`module` with peft LoRA adapters: only they train. A target that matches nothing is the user's to fix."""
+    from peft import LoraConfig, get_peft_model
+
+    from arealcli.errors import UserError
+
+    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
+    config = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(module, config)
+    except ValueError as e:
+        linear = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        raise UserError(
+            f"lora.target_modules {targets} match no layer of the model ({str(e).splitlines()[0]}); its linear "
+            f"layers are: {', '.join(linear)}"
+        ) from None
 
 
 class HFEngine(TrainEngine):
@@ -71,15 +103,30 @@ class HFEngine(TrainEngine):
         average_gradients(self.module.parameters())  # no-op in a single process
         return clip_and_step(self.module.parameters(), self.optimizer, self.optimizer_cfg.gradient_clipping)
 
+    @property
+    def lora(self) -> bool:
+        return hasattr(self.module, "peft_config")
+
     def generate_prompts(self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int):
+        # with LoRA the adapters sit inside the base model's layers: generate with it directly
+        module = self.module.get_base_model() if self.lora else self.module
         with self.autocast():
-            return generation.generate(self.module, prompts, g, eos_ids, pad_id, self.device)
+            return generation.generate(module, prompts, g, eos_ids, pad_id, self.device)
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
+        """An HF directory `from_pretrained` loads; with LoRA, the merged weights (base + scaled B A) and
+        the adapters themselves in `adapter/` (peft's format)."""
         if distributed.rank() != 0:  # the replicas are identical: rank 0 writes
             return
         os.makedirs(save_dir, exist_ok=True)
-        self.module.save_pretrained(save_dir, safe_serialization=True)
+        if self.lora:
+            import copy
+
+            self.module.save_pretrained(os.path.join(save_dir, ADAPTER_DIR), safe_serialization=True)
+            merged = copy.deepcopy(self.module).merge_and_unload()  # a copy: training goes on unmerged
+            merged.save_pretrained(save_dir, safe_serialization=True)
+        else:
+            self.module.save_pretrained(save_dir, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(save_dir)
 
@@ -106,10 +153,17 @@ class HFBackend(ModelBackend):
             module.gradient_checkpointing_enable()
         if hasattr(module, "config"):
             module.config._attn_implementation = a.attn_implementation
+        if a.lora is not None:
+            module = with_lora(module, a.lora)
         module = module.to(device)
         model.module = HFEngine(module, device, dtype, a.optimizer, spec.total_train_steps)
         model.device, model.dtype = device, dtype
         return model
+
+    @property
+    def resumes_weights(self) -> bool:
+        """With LoRA, resume rebuilds the base and loads the adapters itself (`load`), not the merged export."""
+        return self.args.lora is not None
 
     def save(self, model: Model, save_dir: str) -> None:
         engine: HFEngine = model.module
@@ -120,6 +174,16 @@ class HFBackend(ModelBackend):
 
     def load(self, model: Model, load_dir: str) -> None:
         engine: HFEngine = model.module
+        if engine.lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            adapters = load_file(os.path.join(load_dir, ADAPTER_DIR, "adapter_model.safetensors"))
+            result = set_peft_model_state_dict(engine.module, adapters)
+            if getattr(result, "unexpected_keys", None):
+                raise RuntimeError(
+                    f"adapters in {load_dir} do not fit the model: {result.unexpected_keys[:5]}"
+                )
         path = os.path.join(load_dir, "engine_state.pt")
         if engine.optimizer is not None and os.path.exists(path):
             state = torch.load(path, map_location=engine.device, weights_only=True)

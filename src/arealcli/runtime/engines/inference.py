@@ -149,9 +149,11 @@ class EventLoopThread:
         if self.loop.is_running():
 
             async def cancel_all() -> None:
-                for task in asyncio.all_tasks():
-                    if task is not asyncio.current_task():
-                        task.cancel()
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in tasks:
+                    task.cancel()
+                if tasks:  # let the cancellations reach the threads waiting on them before the loop stops
+                    await asyncio.wait(tasks, timeout=1.0)
 
             try:
                 self.submit(cancel_all()).result(timeout=2)

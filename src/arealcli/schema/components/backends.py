@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from arealcli.schema.base import StrictModel
-from arealcli.schema.components.engine import OptimizerConfig
+from arealcli.schema.components.engine import LoraConfig, OptimizerConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -26,6 +26,15 @@ class HFBackendArgs(StrictModel):
         False, description="Recompute activations in backward to save memory."
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    lora: LoraConfig | None = Field(
+        None, description="Train low-rank adapters instead of every weight (needs an optimizer)."
+    )
+
+    @model_validator(mode="after")
+    def _lora_trains(self) -> HFBackendArgs:
+        if self.lora is not None and self.optimizer is None:
+            raise ValueError("lora adapters are for training: add `optimizer: {lr: ...}` (or drop `lora`)")
+        return self
 
 
 class FSDPBackendArgs(StrictModel):

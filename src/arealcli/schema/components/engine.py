@@ -32,6 +32,19 @@ class OptimizerConfig(StrictModel):
     )
 
 
+class LoraConfig(StrictModel):
+    """Low-rank adapters (LoRA, with peft): only the adapters train and carry optimizer state."""
+
+    rank: PositiveInt = Field(8, le=4096, description="Rank r of each adapter (A: r x in, B: out x r).")
+    alpha: float = Field(16.0, gt=0, description="Scale: the update is (alpha / rank) * B A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Linear layers to adapt, by name suffix (e.g. [q_proj, v_proj]); all-linear = every "
+        "linear layer but the output head.",
+    )
+
+
 class MicroBatchSpec(StrictModel):
     """How a batch is split into micro-batches: by a token budget, with at least `n_mbs` of them."""
 

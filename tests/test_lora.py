@@ -1,0 +1,211 @@
+"""LoRA on the hf backend: only adapters train (and carry optimizer state), checkpoints hold the adapters
+and a merged export equal to base + scaled B A, resume is exact, the reference model can be the actor's
+base with adapters off, and GRPO on adapters moves the policy the right way."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from arealcli.runtime.trainer import Trainer
+from arealcli.schema.source import apply_overrides, load_recipe_source
+from arealcli.schema.validate import RecipeInvalid, validate
+from tests.conftest import TINY_ARCH, sft_recipe
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def lora_recipe(ws, name: str = "lora.yaml", **update):
+    recipe = sft_recipe(trainer={"max_steps": 6, "save_every_n_steps": 3, "tensorboard": False})
+    recipe["models"]["default"]["backend"]["args"]["lora"] = LORA
+    recipe["models"]["default"]["backend"]["args"]["optimizer"] = {"lr": 2e-2}
+    recipe.update(update)
+    import yaml
+
+    return ws.text(name, yaml.safe_dump(recipe, sort_keys=False))
+
+
+def run(path, run_dir, resume=False, progress=None, overrides=()):
+    trainer = Trainer(
+        validate(apply_overrides(load_recipe_source(path), list(overrides))),
+        path.parent,
+        run_dir,
+        resume=resume,
+    )
+    trainer.progress = progress
+    trainer.setup()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    return trainer
+
+
+def test_only_adapters_train_and_the_export_is_the_merge(ws):
+    path = lora_recipe(ws)
+    trainer = Trainer(validate(load_recipe_source(path)), path.parent, ws.root / "run")
+    trainer.setup()
+    engine = trainer.models["default"].module
+    params = dict(engine.module.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
+    assert changed == trainable  # every adapter moved, nothing else did
+    state = engine.optimizer.state_dict()["state"]
+    assert len(state) == len(trainable)  # optimizer state for the adapters only
+
+    ckpt = ws.root / "run" / "checkpoints" / "step_00000006" / "default"
+    merged = load_file(str(ckpt / "model.safetensors"))
+    adapters = load_file(str(ckpt / "adapter" / "adapter_model.safetensors"))
+    assert adapters and all("lora_" in k for k in adapters)
+    scale = LORA["alpha"] / LORA["rank"]
+    base = engine.module.get_base_model()
+    for name, module in base.named_modules():
+        if hasattr(module, "lora_A"):
+            want = (
+                module.base_layer.weight
+                + scale * module.lora_B["default"].weight @ module.lora_A["default"].weight
+            )
+            torch.testing.assert_close(merged[f"{name}.weight"], want.detach(), rtol=1e-6, atol=1e-7)
+    # and it loads as a plain model giving the adapted model's outputs
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    ids = torch.tensor([[3, 17, 22, 9, 40]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            plain(input_ids=ids).logits, engine.module(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
+    losses = [json.loads(x)["sft/loss"] for x in (ws.root / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < losses[0]
+
+
+class Crash(Exception):
+    pass
+
+
+def test_lora_resume_is_exact(ws):
+    path = lora_recipe(ws)
+    run(path, ws.root / "full")
+
+    def crash_at_4(step, total, stats, log_now):
+        if step == 4:
+            raise Crash
+
+    with pytest.raises(Crash):
+        run(path, ws.root / "crashed", progress=crash_at_4)
+    run(path, ws.root / "crashed", resume=True)
+    for rel in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        a = load_file(str(ws.root / "full" / "checkpoints" / "step_00000006" / "default" / rel))
+        b = load_file(str(ws.root / "crashed" / "checkpoints" / "step_00000006" / "default" / rel))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+
+
+def grpo_lora(ws, **actor_args):
+    recipe = sft_recipe(trainer={"max_steps": 4, "tensorboard": False})
+    recipe["experiment"] = "lora-grpo"
+    recipe["models"] = {
+        "actor": {
+            "config": TINY_ARCH,
+            "backend": {"type_": "hf", "args": {"device": "cpu", "optimizer": {"lr": 2e-2}, "lora": LORA}},
+        },
+        "ref": {"base_of": "actor"},
+    }
+    recipe["dataflow"] = {
+        "preset": "grpo",
+        "sft_warmup_steps": 1,
+        "actor": {"generation": {"n": 4, "max_new_tokens": 4}, **actor_args},
+        "shaping": {"kl_ctl": 0.1},
+        "reward": {"reward_fn": "exact_match"},
+    }
+    import yaml
+
+    return ws.text("grpo-lora.yaml", yaml.safe_dump(recipe, sort_keys=False))
+
+
+def test_reference_is_the_actors_base_with_adapters_off(ws):
+    path = grpo_lora(ws)
+    trainer = run(path, ws.root / "run")
+    actor, ref = trainer.models["actor"], trainer.models["ref"]
+    assert ref.module.engine is actor.module  # one copy of the weights
+    from arealcli.runtime.data import SequenceSample
+    from arealcli.schema.components.engine import MicroBatchSpec
+
+    batch = SequenceSample.from_lists([0], {"packed_input_ids": [torch.tensor([3, 17, 22, 9, 40])]})
+    with_adapters = actor.module.forward(batch, MicroBatchSpec())
+    base_only = ref.module.forward(batch, MicroBatchSpec())
+    assert not torch.allclose(with_adapters, base_only)  # the adapters trained
+    # the base: a plain model with the base_layer weights gives the reference's outputs
+    from transformers import AutoModelForCausalLM
+
+    base = actor.module.module.get_base_model()
+    plain = AutoModelForCausalLM.from_config(base.config)
+    state = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if "lora_" not in k}
+    plain.load_state_dict(state, strict=False)
+    plain.tie_weights()
+    with torch.no_grad():
+        want = plain.eval()(input_ids=batch.data["packed_input_ids"][None]).logits[0]
+    torch.testing.assert_close(base_only, want, rtol=1e-5, atol=1e-5)
+    rows = [json.loads(x) for x in (ws.root / "run" / "metrics.jsonl").read_text().splitlines()]
+    kls = [r["returns/kl_ref"] for r in rows if "returns/kl_ref" in r]
+    assert len(kls) == 3 and any(abs(k) > 1e-4 for k in kls)  # the actor moved away from its base
+
+
+def test_checks_for_lora(ws, cli):
+    recipe = sft_recipe()
+    recipe["models"]["default"]["backend"] = {
+        "type_": "megatron",
+        "args": {"lora": LORA, "optimizer": {"lr": 0.1}},
+    }
+    import yaml
+
+    result = cli("check", ws.text("m.yaml", yaml.safe_dump(recipe)))
+    assert result.exit_code == 2 and "lora: unknown key" in result.stderr  # megatron has no LoRA
+    path = grpo_lora(ws)
+    with pytest.raises(RecipeInvalid, match="has no LoRA adapters"):
+        validate(apply_overrides(load_recipe_source(path), ["models.actor.backend.args.lora=null"]))
+    bad_target = cli(
+        "train",
+        lora_recipe(ws),
+        "-o",
+        ws.root / "t",
+        "models.default.backend.args.lora.target_modules=[nope]",
+    )
+    assert bad_target.exit_code == 2
+    assert "match no layer of the model" in bad_target.stderr and "q_proj" in bad_target.stderr
+
+
+def test_grpo_on_adapters_raises_the_logprob_of_rewarded_samples(char_tok):
+    from arealcli.runtime.backends.hf import HFBackend
+    from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
+    from arealcli.runtime.interfaces.rl_common import response_view
+    from arealcli.runtime.model import FinetuneSpec, Model
+    from arealcli.schema.components.backends import HFBackendArgs
+    from arealcli.schema.components.engine import MicroBatchSpec
+    from arealcli.schema.components.interfaces import PPOActorArgs
+    from tests.conftest import tiny_module
+    from tests.test_rl_interfaces import prompts
+
+    args = HFBackendArgs(
+        device="cpu", optimizer={"lr": 5e-2, "type": "sgd", "gradient_clipping": None}, lora=LORA
+    )
+    model = HFBackend(args).initialize(
+        Model("actor", tiny_module(char_tok, seed=3), char_tok), FinetuneSpec(1, 8, 8, 100)
+    )
+    iface = PPOActorInterface(PPOActorArgs(generation={"n": 4, "max_new_tokens": 3}))
+    data = iface.generate(model, prompts(char_tok, ["5+2=", "3+3="]), MicroBatchSpec())
+    data.data["rewards"] = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=torch.float32)
+    data.seqlens["rewards"] = [1] * data.bs
+    before, mask = response_view(iface.inference(model, data, MicroBatchSpec()).data["packed_logprobs"], data)
+    iface.train_step(model, data, MicroBatchSpec())
+    after, _ = response_view(iface.inference(model, data, MicroBatchSpec()).data["packed_logprobs"], data)
+    delta = ((after - before) * mask).sum(-1)
+    assert delta[0] > 0 and delta[7] > 0 and delta[1:7].mean() < 0
