@@ -33,7 +33,7 @@ def load_tokenizer(spec: TokenizerSpec | None, fallback_path: str | None):
     from transformers import AutoTokenizer
 
     if spec is not None and spec.kind == "char":
-        return char_tokenizer()
+        return _with_template(char_tokenizer(), spec)
     path = spec.path if spec is not None else fallback_path
     if path is None:
         raise ValueError("no tokenizer: set `tokenizer:` in the recipe or give a model a `path`")
@@ -43,4 +43,10 @@ def load_tokenizer(spec: TokenizerSpec | None, fallback_path: str | None):
         raise UserError(f"cannot load a tokenizer from {path}: {str(e).strip().splitlines()[0]}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    return _with_template(tok, spec)
+
+
+def _with_template(tok, spec: TokenizerSpec | None):
+    if spec is not None and spec.chat_template:
+        tok.chat_template = spec.chat_template
     return tok

@@ -49,7 +49,12 @@ class TokenizerSpec(StrictModel):
     kind: Literal["hf", "char"] = Field(
         "hf", description="hf = load from `path`; char = built-in character-level tokenizer (no download)."
     )
-    path: str | None = Field(None, description="Local HF tokenizer directory (kind: hf).")
+    path: str | None = Field(None, description="Local HF tokenizer directory or Hub name (kind: hf).")
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template to use (replacing the tokenizer's own); needed for chat data with "
+        "the char tokenizer, which has none.",
+    )
 
     @model_validator(mode="after")
     def _path_for_hf(self) -> TokenizerSpec:
