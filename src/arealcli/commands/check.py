@@ -14,7 +14,9 @@ from arealcli.schema.paths import path_problems
 
 def check(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
-    overrides: list[str] = typer.Argument(None, help="key.path=value overrides."),
+    overrides: list[str] = typer.Argument(
+        None, help="key.path=value overrides (relative paths in them: from the current directory)."
+    ),
     print_: bool = typer.Option(False, "--print", help="Print the fully resolved recipe.", metavar=""),
 ) -> None:
     """Validate a recipe: every error at once, with file:line:col."""

@@ -130,7 +130,9 @@ def data_parallel_size(recipe, world: int) -> int:
 
 def train(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
-    overrides: list[str] = typer.Argument(None, help="key.path=value overrides."),
+    overrides: list[str] = typer.Argument(
+        None, help="key.path=value overrides (relative paths in them: from the current directory)."
+    ),
     resume: bool = typer.Option(
         False, "--resume", help="Continue from the run directory's last checkpoint.", metavar=""
     ),
