@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import signal
 from pathlib import Path
 
@@ -202,6 +203,23 @@ def _on_sigterm(signum, frame) -> None:
     raise Terminated
 
 
+def _exit_if_shutdown_hangs(code: int, grace_s: float = 15.0) -> None:
+    """A stop must end the process within seconds even when an engine's shutdown hangs (a request
+    stuck in a server, a lock held where the interrupt landed): after `grace_s` the process exits with
+    `code` without further cleanup. Nothing is lost: checkpoints are written atomically."""
+    import os
+    import threading
+
+    def hard_exit() -> None:
+        sys.stderr.write(f"shutdown took over {grace_s:.0f} s; exiting without further cleanup\n")
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(grace_s, hard_exit)
+    timer.daemon = True
+    timer.start()
+
+
 def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
     import time
 
@@ -228,8 +246,10 @@ def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
             trainer.train()
         except KeyboardInterrupt as e:
             why = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+            code = 143 if isinstance(e, Terminated) else 130
+            _exit_if_shutdown_hangs(code)
             err_console.print(f"{why}: the last complete checkpoint is kept; continue with --resume")
-            raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
+            raise typer.Exit(code) from None
         except UserError as e:
             raise fail([str(e)]) from None
         finally:
