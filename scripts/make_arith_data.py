@@ -3,7 +3,11 @@
 Tasks (train and test share no prompt):
   add   {"prompt": "23+45=", "answer": "68"}            -> data/arith
   max3  {"prompt": "max(37,82,15)=", "answer": "82"}    -> data/max3
-Usage: python scripts/make_arith_data.py [--task add|max3] [--out DIR] [--seed 0]
+  mul   {"prompt": "417*38=", "answer": "15846",        -> data/mul  (the agent quickstart: the tiny
+         "episode": [{"role": "assistant", "content": "[417*38]"},    model cannot multiply, but it
+                     {"role": "tool", "content": "=15846 "},          can learn to call the calculator)
+                     {"role": "assistant", "content": "15846"}]}
+Usage: python scripts/make_arith_data.py [--task add|max3|mul] [--out DIR] [--seed 0]
 """
 
 from __future__ import annotations
@@ -33,16 +37,38 @@ def make_max3(seed: int, n: int) -> list[dict]:
     return rows
 
 
+def make_mul(seed: int, n: int) -> list[dict]:
+    """3-digit x 2-digit products, with a worked calculator episode (the tool_use workflow's format:
+    a call in [...], its result written back as `={result} `, then the answer)."""
+    rng = random.Random(seed)
+    seen, rows = set(), []
+    while len(rows) < n:
+        a, b = rng.randrange(100, 1000), rng.randrange(10, 100)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        episode = [
+            {"role": "assistant", "content": f"[{a}*{b}]"},
+            {"role": "tool", "content": f"={a * b} "},
+            {"role": "assistant", "content": str(a * b)},
+        ]
+        rows.append({"prompt": f"{a}*{b}=", "answer": str(a * b), "episode": episode})
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--task", choices=["add", "max3"], default="add")
-    p.add_argument("--out", default=None, help="default: data/arith (add) or data/max3 (max3)")
+    p.add_argument("--task", choices=["add", "max3", "mul"], default="add")
+    p.add_argument("--out", default=None, help="default: data/arith (add), data/max3 or data/mul")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-operand", type=int, default=49)
     p.add_argument("--test-size", type=int, default=256)
     a = p.parse_args()
-    rows = make(a.seed, a.max_operand) if a.task == "add" else make_max3(a.seed, 4000)
-    out = Path(a.out or ("data/arith" if a.task == "add" else "data/max3"))
+    if a.task == "add":
+        rows = make(a.seed, a.max_operand)
+    else:
+        rows = make_max3(a.seed, 4000) if a.task == "max3" else make_mul(a.seed, 4000)
+    out = Path(a.out or {"add": "data/arith", "max3": "data/max3", "mul": "data/mul"}[a.task])
     out.mkdir(parents=True, exist_ok=True)
     splits = {"test": rows[: a.test_size], "train": rows[a.test_size :]}
     for name, part in splits.items():

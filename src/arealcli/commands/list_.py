@@ -20,7 +20,7 @@ from rich.text import Text
 from arealcli.commands.common import console, fail
 from arealcli.schema.registry import ALL, RegistryError, import_plugins, suggest
 
-KINDS = ("interfaces", "backends", "datasets", "rewards")
+KINDS = ("interfaces", "backends", "datasets", "rewards", "workflows", "tools")
 
 
 def type_name(annotation) -> str:
@@ -98,7 +98,7 @@ def _entry_payload(kind: str, e, expand: bool = False) -> dict:
 
 def list_(
     what: str = typer.Argument(
-        "all", help="interfaces, backends, datasets, rewards, all, or one component's name."
+        "all", help="interfaces, backends, datasets, rewards, workflows, tools, all, or one component's name."
     ),
     json_: bool = typer.Option(False, "--json", help="Machine-readable output.", metavar=""),
     imports: list[str] = typer.Option(None, "--import", help="Also import these plugin modules."),

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import shutil
-import sys
 import signal
+import sys
 from pathlib import Path
 
 import typer
@@ -199,25 +199,59 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (what Slurm and Kubernetes send): stopped like Ctrl-C."""
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated
+class StopSignals:
+    """Ctrl-C and SIGTERM stop a run within seconds, whatever they interrupt.
 
+    The first signal raises KeyboardInterrupt (Terminated for SIGTERM) where the main thread is, is
+    remembered (the trainer raises it again before its next step, should the exception have been
+    swallowed where it landed), and arms a hard exit: a shutdown that hangs (a request stuck in a
+    server, a lock held where the interrupt landed) ends after `grace_s` without further cleanup. A
+    second signal exits at once. Nothing is lost: checkpoints are written atomically.
+    """
 
-def _exit_if_shutdown_hangs(code: int, grace_s: float = 15.0) -> None:
-    """A stop must end the process within seconds even when an engine's shutdown hangs (a request
-    stuck in a server, a lock held where the interrupt landed): after `grace_s` the process exits with
-    `code` without further cleanup. Nothing is lost: checkpoints are written atomically."""
-    import os
-    import threading
+    def __init__(self, grace_s: float = 15.0):
+        self.grace_s = grace_s
+        self.signum: int | None = None
 
-    def hard_exit() -> None:
-        sys.stderr.write(f"shutdown took over {grace_s:.0f} s; exiting without further cleanup\n")
-        sys.stderr.flush()
-        os._exit(code)
+    def install(self) -> None:
+        self._previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    timer = threading.Timer(grace_s, hard_exit)
-    timer.daemon = True
-    timer.start()
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def code(self) -> int:
+        return 143 if self.signum == signal.SIGTERM else 130
+
+    def _exception(self) -> KeyboardInterrupt:
+        return Terminated() if self.signum == signal.SIGTERM else KeyboardInterrupt()
+
+    def _on_signal(self, signum, frame) -> None:
+        import os
+
+        if self.signum is not None:
+            os._exit(self.code)  # the second Ctrl-C: now
+        self.signum = signum
+        self._arm_hard_exit()
+        raise self._exception()
+
+    def raise_if_requested(self) -> None:
+        if self.signum is not None:
+            raise self._exception()
+
+    def _arm_hard_exit(self) -> None:
+        import os
+        import threading
+
+        def hard_exit() -> None:
+            sys.stderr.write(f"shutdown took over {self.grace_s:.0f} s; exiting without further cleanup\n")
+            sys.stderr.flush()
+            os._exit(self.code)
+
+        timer = threading.Timer(self.grace_s, hard_exit)
+        timer.daemon = True
+        timer.start()
 
 
 def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
@@ -228,8 +262,9 @@ def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
     from arealcli.runtime.report import summary_lines
     from arealcli.runtime.trainer import Trainer
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
     trainer = Trainer(resolved, recipe.resolve().parent, run_dir, resume=resume)
+    stop = StopSignals()
+    trainer.stop_requested = stop.raise_if_requested
     if threads.enabled():  # torch threads = the cores other processes leave free (re-measured as it runs)
         trainer.thread_policy = threads.ThreadPolicy()
         trainer.thread_policy.measure_now()
@@ -237,6 +272,7 @@ def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
     t0 = time.perf_counter()
     with ConsoleProgress(console, resolved.experiment, metrics) as progress:
         trainer.progress = progress.update
+        stop.install()
         try:
             trainer.setup()
             header(console, trainer.describe(recipe))
@@ -247,12 +283,12 @@ def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
         except KeyboardInterrupt as e:
             why = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
             code = 143 if isinstance(e, Terminated) else 130
-            _exit_if_shutdown_hangs(code)
             err_console.print(f"{why}: the last complete checkpoint is kept; continue with --resume")
             raise typer.Exit(code) from None
         except UserError as e:
             raise fail([str(e)]) from None
         finally:
             trainer.close()
+            stop.restore()
     console.print(f"done: {trainer.global_step} steps; run directory {run_dir}", highlight=False)
     header(console, summary_lines(run_dir, time.perf_counter() - t0))

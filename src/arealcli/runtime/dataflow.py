@@ -66,6 +66,12 @@ def run_calls(calls: list[Call], batch: SequenceSample, step: int) -> tuple[Sequ
         else:
             result = rename(result, spec.output_key_remap)
             batch = expand_to(batch, result)
+            if "packed_input_ids" in spec.outputs and "packed_input_ids" in batch.data:
+                # new sequences (generation): per-token keys of the old ones (e.g. the dataset's
+                # answer loss_mask) no longer line up with them and are dropped
+                old = batch.seqlens["packed_input_ids"]
+                stale = {k for k in batch.data if k not in spec.outputs and batch.seqlens[k] == old}
+                batch = batch.select(batch.keys - stale)
             missing = [k for k in spec.outputs if k not in result.keys]
             if missing:
                 raise RuntimeError(

@@ -140,7 +140,7 @@ class PromptAnswerDataset:
     """
 
     Args = PromptAnswerArgs
-    provides = ("packed_input_ids", "prompt_mask", "packed_prompts", "prompt", "answers")
+    provides = ("packed_input_ids", "prompt_mask", "loss_mask", "packed_prompts", "prompt", "answers")
 
     def __init__(self, args: PromptAnswerArgs, tokenizer, base_dir: str | Path = "."):
         self.args, self.tokenizer = args, tokenizer
@@ -205,6 +205,10 @@ class PromptAnswerDataset:
             prompt = row[a.prompt_key]
             if _text(prompt) is None or (isinstance(prompt, str) and not prompt):
                 return f"{a.prompt_key!r} must be a non-empty text, got {_kind(prompt) if prompt != '' else 'an empty text'}"
+        if a.episode_key is not None and row.get(a.episode_key) is not None:
+            problem = _episode_problem(row[a.episode_key], a.episode_key)
+            if problem:
+                return problem
         answer = row[a.answer_key]
         answers = answer if isinstance(answer, list) else [answer]
         if not answers:
@@ -228,14 +232,21 @@ class PromptAnswerDataset:
             prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         answers = row[a.answer_key] if isinstance(row[a.answer_key], list) else [row[a.answer_key]]
         answers = [_text(x) for x in answers]
-        answer_ids = tok(answers[0], add_special_tokens=False)["input_ids"]
+        episode = row.get(a.episode_key) if a.episode_key is not None else None
+        turns = episode if episode is not None else [{"role": "assistant", "content": answers[0]}]
+        answer_ids, answer_mask = [], []
+        for turn in turns:  # each turn tokenized on its own, as the workflow appends them
+            ids = tok(turn["content"], add_special_tokens=False)["input_ids"]
+            answer_ids += ids
+            answer_mask += [turn["role"] == "assistant"] * len(ids)
         if a.append_eos:
-            answer_ids = answer_ids + [tok.eos_token_id]
+            answer_ids, answer_mask = answer_ids + [tok.eos_token_id], answer_mask + [True]
         full = prompt_ids + answer_ids
         return {
             "id": index,
             "prompt_ids": prompt_ids,
             "input_ids": full[: a.max_length],
+            "loss_mask": ([False] * len(prompt_ids) + answer_mask)[: a.max_length],
             "truncated": len(full) > a.max_length,
             "prompt": prompt,
             "answers": answers,
@@ -245,7 +256,8 @@ class PromptAnswerDataset:
         return len(self.items)
 
     def collate(self, indices: list[int]) -> SequenceSample:
-        """Keys: packed_input_ids (prompt + answer), prompt_mask, packed_prompts; meta: prompt, answers."""
+        """Keys: packed_input_ids (prompt + answer or worked episode), prompt_mask, loss_mask (the tokens
+        SFT learns: the answer, or the episode's assistant turns), packed_prompts; meta: prompt, answers."""
         items = [self.items[i] for i in indices]
         return SequenceSample.from_lists(
             [it["id"] for it in items],
@@ -259,10 +271,27 @@ class PromptAnswerDataset:
                     )
                     for it in items
                 ],
+                "loss_mask": [torch.tensor(it["loss_mask"], dtype=torch.bool) for it in items],
                 "packed_prompts": [torch.tensor(it["prompt_ids"]) for it in items],
             },
             {"prompt": [it["prompt"] for it in items], "answers": [it["answers"] for it in items]},
         )
+
+
+def _episode_problem(episode: Any, key: str) -> str | None:
+    """What is wrong with a worked episode [{role: assistant|tool, content}], or None."""
+    if not isinstance(episode, list) or not episode:
+        return f"{key!r} must be a non-empty list of turns [{{role, content}}], got {_kind(episode)}"
+    for i, turn in enumerate(episode):
+        if not isinstance(turn, dict) or set(turn) != {"role", "content"}:
+            return f"{key!r} turn {i} must be an object with exactly 'role' and 'content'"
+        if turn["role"] not in ("assistant", "tool"):
+            return f"{key!r} turn {i}: role must be 'assistant' or 'tool', got {turn['role']!r}"
+        if not isinstance(turn["content"], str) or not turn["content"]:
+            return f"{key!r} turn {i}: content must be a non-empty text"
+    if not any(t["role"] == "assistant" for t in episode):
+        return f"{key!r} has no assistant turn: nothing to learn"
+    return None
 
 
 class ChatDataset:

@@ -28,6 +28,9 @@ def default_metrics(calls: Iterable) -> list[str]:
     """The headline metrics of a dataflow: per training call, its reward or its loss; held-out scores."""
     keys: list[str] = []
     for c in calls:
+        workflow = getattr(c.interface.args, "workflow", None)
+        if c.type == "generate" and workflow is not None:  # episodes: how often the model calls a tool
+            keys += [f"{c.name}/episode/tool_call_rate", f"{c.name}/episode/turns"]
         if c.type != "train_step":
             continue
         kind = c.interface.type_

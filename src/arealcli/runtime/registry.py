@@ -14,6 +14,7 @@ from arealcli.schema.registry import (
     DATASETS,
     INTERFACES,
     REWARDS,
+    WORKFLOWS,
     register_backend,
     register_dataset,
     register_interface,
@@ -29,6 +30,7 @@ __all__ = [
     "make_backend",
     "make_dataset",
     "get_reward",
+    "make_workflow",
 ]
 
 
@@ -55,6 +57,11 @@ def make_backend(spec: Abstraction):
 def make_dataset(spec: Abstraction, tokenizer, base_dir: str = ".") -> Any:
     entry = DATASETS.get(spec.type_)
     return entry.load()(_typed_args(entry, spec), tokenizer, base_dir)
+
+
+def make_workflow(spec: Abstraction):
+    entry = WORKFLOWS.get(spec.type_)
+    return entry.load()(_typed_args(entry, spec))
 
 
 def get_reward(name: str):

@@ -54,6 +54,7 @@ class Trainer:
         self.recipe, self.recipe_dir, self.run_dir, self.resume = recipe, recipe_dir, run_dir, resume
         self.progress = progress  # callable(step, total, stats) for the console, or None
         self.thread_policy = None  # runtime.threads.ThreadPolicy: torch threads follow the free cores
+        self.stop_requested = None  # callable run before each step: raises when a stop was signalled
         self.global_step = 0
         self.rank, self.world = distributed.rank(), distributed.world()
         self.saved_step: int | None = None
@@ -213,6 +214,10 @@ class Trainer:
             last.update(self.evaluate())
             self.logger.log(0, last)
         while self.global_step < self.total_steps:
+            if self.stop_requested is not None:
+                # a stop signal whose exception was swallowed where it landed (e.g. in a finalizer run by
+                # the garbage collector, which Python only prints) is raised again here
+                self.stop_requested()
             epoch, epoch_step = divmod(self.global_step, self.batches.steps_per_epoch)
             for m in self.models.values():
                 m.version.epoch, m.version.epoch_step = epoch, epoch_step

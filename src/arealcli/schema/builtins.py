@@ -23,7 +23,8 @@ from arealcli.schema.components.interfaces import (
     RewardArgs,
     SFTArgs,
 )
-from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, REWARDS, Entry
+from arealcli.schema.components.workflows import ToolUseArgs
+from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, REWARDS, TOOLS, WORKFLOWS, Entry
 
 _R = "arealcli.runtime"
 
@@ -103,10 +104,21 @@ for _name, _target, _args, _caps in [
 ]:
     BACKENDS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__, "builtin", capabilities=_caps))
 
-PROMPT_ANSWER_KEYS = frozenset({"packed_input_ids", "prompt_mask", "packed_prompts", "prompt", "answers"})
+PROMPT_ANSWER_KEYS = frozenset(
+    {"packed_input_ids", "prompt_mask", "loss_mask", "packed_prompts", "prompt", "answers"}
+)
 CHAT_KEYS = frozenset({"packed_input_ids", "prompt_mask", "loss_mask", "prompt"})
 for _name, _target, _args, _keys in [
     ("prompt_answer", "PromptAnswerDataset", PromptAnswerArgs, PROMPT_ANSWER_KEYS),
     ("chat", "ChatDataset", ChatArgs, CHAT_KEYS),
 ]:
     DATASETS.add(Entry(_name, f"{_R}.datasets:{_target}", _args, _args.__doc__, "builtin", data_keys=_keys))
+
+for _name, _fn, _doc in [
+    ("calculator", "calculator", "Arithmetic (+ - * / // % ** and parentheses) parsed with ast, never eval."),
+    ("python", "python_tool", "Runs a Python program in a sandbox (no network, time and memory limits)."),
+]:
+    TOOLS.add(Entry(_name, f"{_R}.tools:{_fn}", NoArgs, _doc, "builtin"))
+WORKFLOWS.add(
+    Entry("tool_use", f"{_R}.workflows:ToolUseWorkflow", ToolUseArgs, ToolUseArgs.__doc__, "builtin")
+)

@@ -102,9 +102,15 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
     rl = {"start_step": warmup} if warmup else {}
     origin[len(calls)] = "actor"
     gen_model = "actor_gen" if "actor_gen" in models else "actor"  # e.g. generation servers of the actor
+    # episodes (a workflow): `loss_mask` marks the model's own tokens for the reward (its final answer),
+    # the returns and the updates (tool output never trains)
+    episode = ["loss_mask"] if actor.get("workflow") is not None else []
     calls.append(
-        _call("actor_gen", gen_model, "ppo_actor", actor, "generate", ["packed_prompts"], GEN_OUT, mb, **rl)
-    )
+        _call(
+            "actor_gen", gen_model, "ppo_actor", actor, "generate", ["packed_prompts"], GEN_OUT + episode, mb,
+            **rl,
+        )
+    )  # fmt: skip
     origin[len(calls)] = "reward"
     calls.append(
         _call(
@@ -113,7 +119,7 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
             "reward",
             df.get("reward") or {},
             "inference",
-            ["packed_input_ids", "prompt_mask", "answers"],
+            ["packed_input_ids", "prompt_mask", "answers", *episode],
             ["rewards"],
             mb,
             **rl,
@@ -127,6 +133,7 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
         "rewards",
         "version",
         "version_last",
+        *episode,
     ]
     if "ref" in models:
         origin[len(calls)] = "actor"
@@ -163,7 +170,14 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, A
         )
         train_inputs.append("packed_prox_logprobs")
     critic = {**(df.get("critic") or {}), **({"shaping": shaping} if shaping else {})}
-    returns_inputs = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "rewards"]
+    returns_inputs = [
+        "packed_input_ids",
+        "prompt_mask",
+        "packed_logprobs",
+        "seq_no_eos_mask",
+        "rewards",
+        *episode,
+    ]
     if "ref" in models:
         returns_inputs.append("packed_ref_logprobs")
     if preset == "ppo":

@@ -102,7 +102,16 @@ INTERFACES = Registry("interface")
 BACKENDS = Registry("backend")
 DATASETS = Registry("dataset")
 REWARDS = Registry("reward")
-ALL = {"interfaces": INTERFACES, "backends": BACKENDS, "datasets": DATASETS, "rewards": REWARDS}
+TOOLS = Registry("tool")
+WORKFLOWS = Registry("workflow")
+ALL = {
+    "interfaces": INTERFACES,
+    "backends": BACKENDS,
+    "datasets": DATASETS,
+    "rewards": REWARDS,
+    "workflows": WORKFLOWS,
+    "tools": TOOLS,
+}
 
 
 def _args_model_of(obj: Any) -> type[BaseModel]:
@@ -202,6 +211,13 @@ def register_reward(name: str, fn: Any) -> Any:
     `answers[i]` is the list of reference answers of response i's prompt)."""
     REWARDS.add(Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?")))
     return fn
+
+
+def register_workflow(name: str, cls: type) -> type:
+    """Register an episode workflow: `cls(args)` with `run(engine, tokenizer, prompts, gconfig) -> [Episode]`
+    (see arealcli.runtime.workflows)."""
+    WORKFLOWS.add(Entry(name, cls, _args_model_of(cls), _doc_line(cls), cls.__module__))
+    return cls
 
 
 _entry_points_loaded = False

@@ -24,7 +24,7 @@ from arealcli.runtime.interfaces.rl_common import (
 )
 from arealcli.runtime.interfaces.sft import answer_token_mask
 from arealcli.runtime.model import Model
-from arealcli.runtime.registry import get_reward
+from arealcli.runtime.registry import get_reward, make_workflow
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs
 
@@ -38,12 +38,27 @@ def next_token_logprobs(logits: torch.Tensor, mb: SequenceSample, temperature: f
     return logp.index_fill(0, ends, 0.0)
 
 
+def final_answer_mask(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(L,) bool: the last run of the model's own tokens in an episode (its answer after the last tool
+    result; the whole response when it called no tool)."""
+    own = loss_mask.bool()
+    after = torch.nonzero(~own).squeeze(-1)  # prompt and tool tokens
+    start = int(after[-1]) + 1 if after.numel() else 0
+    out = torch.zeros_like(own)
+    out[start:] = True
+    return out & own
+
+
 def decode_responses(tokenizer, data: SequenceSample) -> tuple[list[str], list[str]]:
+    """Prompt and response texts; for episodes (a `loss_mask` marks the model's tokens) the response
+    is the final answer, the model's text after the last tool result."""
     prompts, responses = [], []
-    for ids, pm in zip(data.unpack("packed_input_ids"), data.unpack("prompt_mask"), strict=True):
+    masks = data.unpack("loss_mask") if "loss_mask" in data.data else [None] * data.bs
+    for ids, pm, lm in zip(data.unpack("packed_input_ids"), data.unpack("prompt_mask"), masks, strict=True):
         pm = pm.bool()
         prompts.append(tokenizer.decode(ids[pm].tolist()))
-        responses.append(tokenizer.decode(ids[~pm].tolist(), skip_special_tokens=True))
+        answer = ~pm if lm is None else final_answer_mask(lm)
+        responses.append(tokenizer.decode(ids[answer].tolist(), skip_special_tokens=True))
     return prompts, responses
 
 
@@ -74,12 +89,15 @@ class PPOActorInterface(ModelInterface):
         self.temperature = args.temperature or (
             1.0 if args.generation.greedy else args.generation.temperature
         )
+        self.workflow = make_workflow(args.workflow) if args.workflow is not None else None
 
     # ------------------------------------------------------------------ generate
 
     def generate(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
         g = self.args.generation
         rep = data.repeat_interleave(g.n)  # ids (prompt id, j), j < n
+        if self.workflow is not None:
+            return self._generate_episodes(model, rep, g)
         out = model.module.generate(rep, mb_spec, model.tokenizer, g)
         versions = out.versions or [None] * rep.bs  # inference engines report theirs per sample
         last_versions = out.last_versions or versions
@@ -111,6 +129,45 @@ class PPOActorInterface(ModelInterface):
         )
         out_sample.stats = {"generated_tokens": float(sum(len(g) for g in out.output_ids))}
         return out_sample
+
+    def _generate_episodes(self, model: Model, rep: SequenceSample, g) -> SequenceSample:
+        """Episodes of the workflow: every token kept, `loss_mask` True on the model's own tokens."""
+        prompts = [p.tolist() for p in rep.unpack("packed_prompts")]
+        episodes = self.workflow.run(model.module, model.tokenizer, prompts, g)
+        seqs, prompt_masks, loss_masks, logprobs, no_eos, versions, lasts = [], [], [], [], [], [], []
+        for prompt, ep in zip(prompts, episodes, strict=True):
+            p, n = len(prompt), len(ep.tokens)
+            seqs.append(torch.tensor(prompt + ep.tokens, dtype=torch.long))
+            prompt_masks.append(torch.tensor([True] * p + [False] * n))
+            loss_masks.append(torch.tensor([False] * p + list(ep.mask)))
+            aligned = torch.zeros(p + n)
+            aligned[p - 1 : p + n - 1] = torch.tensor(ep.logprobs)  # position t holds log p(token t+1)
+            logprobs.append(aligned)
+            no_eos.append(torch.tensor([float(ep.no_eos)]))
+            here = model.version.global_step
+            versions.append(min(ep.versions, default=here))
+            lasts.append(max(ep.versions, default=here))
+        out = SequenceSample.from_lists(
+            rep.ids,
+            {
+                "packed_input_ids": seqs,
+                "prompt_mask": prompt_masks,
+                "loss_mask": loss_masks,
+                "packed_logprobs": logprobs,
+                "seq_no_eos_mask": no_eos,
+            },
+            {"version": versions, "version_last": lasts},
+        )
+        n = max(len(episodes), 1)
+        out.stats = {
+            "generated_tokens": float(sum(sum(ep.mask) for ep in episodes)),
+            "episode/turns": sum(ep.turns for ep in episodes) / n,
+            "episode/tool_calls": sum(ep.tool_calls for ep in episodes) / n,
+            "episode/tool_call_rate": sum(ep.tool_calls > 0 for ep in episodes) / n,
+            "episode/tool_errors": sum(ep.tool_errors for ep in episodes) / n,
+            "episode/tokens": sum(len(ep.tokens) for ep in episodes) / n,
+        }
+        return out
 
     # ------------------------------------------------------------------ inference
 
@@ -175,7 +232,10 @@ class PPOActorInterface(ModelInterface):
         if a.dynamic_sampling:
             keep = F.dynamic_sampling_mask(raw, gid)
             stats["dynamic_sampling_kept"] = float(keep.float().mean())
-        train = data.select(["packed_input_ids", "prompt_mask"])
+        # episodes: the loss counts the model's own tokens only (never prompts or tool output)
+        train = data.select(
+            ["packed_input_ids", "prompt_mask", *(["loss_mask"] if "loss_mask" in data.data else [])]
+        )
         train.data["advantages"] = to_packed(adv, data)
         train.data["old_logp"] = data.data["packed_logprobs"].float()
         train.data["action_mask"] = to_packed(mask.float(), data)
@@ -289,8 +349,11 @@ class PPOActorInterface(ModelInterface):
         )
         scores: list[float] = []
         for batch in loader:
-            out = model.module.generate(batch, MicroBatchSpec(), model.tokenizer, g)
-            responses = [model.tokenizer.decode(o, skip_special_tokens=True) for o in out.output_ids]
+            if self.workflow is not None:  # greedy episodes, scored on their final answers
+                _, responses = decode_responses(model.tokenizer, self._generate_episodes(model, batch, g))
+            else:
+                out = model.module.generate(batch, MicroBatchSpec(), model.tokenizer, g)
+                responses = [model.tokenizer.decode(o, skip_special_tokens=True) for o in out.output_ids]
             scores.extend(reward_fn(batch.meta["prompt"], responses, batch.meta["answers"]))
         t = torch.tensor(scores)
         total, correct, n = distributed.all_reduce([float(t.sum()), float((t > 0.5).sum()), float(t.numel())])

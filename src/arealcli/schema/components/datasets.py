@@ -41,6 +41,12 @@ class PromptAnswerArgs(DataSourceArgs):
         "(instruct models).",
     )
     append_eos: bool = Field(True, description="End each answer with the tokenizer's EOS token.")
+    episode_key: str | None = Field(
+        None,
+        description="Field holding a worked episode for SFT, [{role: assistant|tool, content}] as the "
+        "workflow writes it (e.g. a tool call, its result, the answer): the SFT sequence is the prompt + "
+        "those turns, the loss on assistant turns only. Rows without it train on their answer.",
+    )
 
 
 class ChatArgs(DataSourceArgs):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from arealcli.schema.base import StrictModel
+from arealcli.schema.base import Abstraction, StrictModel
 from arealcli.schema.components.engine import GenerationHyperparameters
 
 
@@ -49,6 +49,10 @@ class RewardShaping(StrictModel):
         False, description="Penalize KL in the reward (PPO) instead of in the loss (GRPO)."
     )
     discount: float = Field(1.0, ge=0, le=1, description="GAE gamma.")
+
+
+class WorkflowSpec(Abstraction):
+    """A registered episode workflow (see `areal list workflows`) and its args."""
 
 
 class PPOActorArgs(StrictModel):
@@ -129,6 +133,11 @@ class PPOActorArgs(StrictModel):
     behav_imp_weight_mode: Literal["mask", "truncate"] = Field(
         "mask", description="mask: a capped token's loss is 0 (AReaL); truncate: its weight is the cap (TIS)."
     )
+    workflow: WorkflowSpec | None = Field(
+        None,
+        description="Generate episodes instead of single responses (e.g. tool_use: the model calls tools, "
+        "their output is appended, only the model's tokens train).",
+    )
     # --- evaluation
     eval_reward_fn: str = Field("math", description="Reward used for held-out accuracy (greedy decoding).")
     eval_max_new_tokens: PositiveInt | None = Field(
@@ -136,6 +145,31 @@ class PPOActorArgs(StrictModel):
     )
 
     _known = field_validator("eval_reward_fn")(_registered_reward)
+
+    @field_validator("workflow")
+    @classmethod
+    def _workflow_args(cls, spec: WorkflowSpec | None) -> WorkflowSpec | None:
+        """The workflow's args checked against its own model (typed, like every component's)."""
+        if spec is None:
+            return None
+        from pydantic import ValidationError
+
+        from arealcli.schema.registry import WORKFLOWS, RegistryError
+
+        try:
+            entry = WORKFLOWS.get(spec.type_)
+        except RegistryError as e:
+            raise ValueError(str(e)) from None
+        if isinstance(spec.args, entry.args_model):
+            return spec
+        try:
+            typed = entry.args_model.model_validate(spec.args or {}, strict=True)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            message = first["msg"].removeprefix("Value error, ")
+            raise ValueError(f"workflow args{'.' + where if where else ''}: {message}") from None
+        return spec.model_copy(update={"args": typed})
 
     @model_validator(mode="after")
     def _consistent(self) -> PPOActorArgs:

@@ -1,0 +1,125 @@
+"""Episodes: generate, let the environment answer, append its tokens, continue — then one reward.
+
+One episode of `tool_use`, for every prompt of a batch at once (each generation turn is one batched
+generate call on the model's engine, a training engine or an inference engine alike):
+
+    tokens = prompt
+    repeat up to max_turns:
+        model tokens <- generate(tokens), stopping at EOS or at `call_close`        (mask: True)
+        if it stopped at `call_close`: result <- tool(text after the last `call_open`)
+            tokens += result_template.format(result=result)                          (mask: False)
+        else: the episode is over; its final answer is the model's text after the last tool result
+
+The trained sequence keeps every token; the per-token mask (`loss_mask`) marks the model's own tokens,
+so prompts and tool output never get gradient. Log-probs are the generating engine's (0 on tool tokens).
+A workflow of your own: a class with `Args` and `run(engine, tokenizer, prompts, gconfig)` returning
+`Episode`s, registered with `register_workflow(name, cls)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from arealcli.errors import UserError
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.tools import ToolError, get_tool
+from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+from arealcli.schema.components.workflows import ToolUseArgs
+
+
+@dataclass
+class Episode:
+    tokens: list[int] = field(default_factory=list)  # after the prompt
+    mask: list[bool] = field(default_factory=list)  # True on the model's own tokens
+    logprobs: list[float] = field(default_factory=list)  # of each token when generated (0 for tool tokens)
+    no_eos: bool = True  # ended without an end token (length, budget or turns)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    final: list[int] = field(default_factory=list)  # the model's tokens after the last tool result
+    versions: list[int] = field(default_factory=list)  # policy versions of its generation turns
+
+
+class ToolUseWorkflow:
+    """Generate; on a tool call run the tool and append its result; continue up to max_turns."""
+
+    Args = ToolUseArgs
+
+    def __init__(self, args: ToolUseArgs):
+        self.args = args
+        self.tools = {name: get_tool(name) for name in args.tools}
+
+    def _call(self, text: str) -> tuple[str, bool]:
+        """The tool's result text for a call's argument text (`name: arg` with several tools), and ok."""
+        name, arg = next(iter(self.tools)), text
+        if len(self.tools) > 1:
+            name, _, arg = text.partition(":")
+            name = name.strip()
+        if name not in self.tools:
+            return f"error: no tool {name!r} (tools: {', '.join(self.tools)})", False
+        try:
+            return self.tools[name](arg), True
+        except ToolError as e:
+            return f"error: {e}", False
+        except Exception as e:  # a tool's own bug: the episode goes on, the run does not stop
+            return f"error: {type(e).__name__}: {e}", False
+
+    def run(
+        self, engine, tokenizer, prompts: list[list[int]], gconfig: GenerationHyperparameters
+    ) -> list[Episode]:
+        a = self.args
+        close = tokenizer(a.call_close, add_special_tokens=False)["input_ids"]
+        if len(close) != 1:
+            raise UserError(
+                f"workflow call_close {a.call_close!r} is {len(close)} tokens for this tokenizer; generation stops "
+                "on one token: use a single-token closing tag (e.g. a special token like </tool_call>)"
+            )
+        close_id = close[0]
+        eos = {tokenizer.eos_token_id, *gconfig.stop_token_ids}
+        g = gconfig.model_copy(update={"stop_token_ids": sorted(set(gconfig.stop_token_ids) | {close_id})})
+        episodes = [Episode() for _ in prompts]
+        active = list(range(len(prompts)))
+        for turn in range(a.max_turns):
+            active = [i for i in active if len(episodes[i].tokens) < a.max_total_tokens]
+            if not active:
+                break
+            room = max(a.max_total_tokens - len(episodes[i].tokens) for i in active)
+            step = g.model_copy(update={"max_new_tokens": min(g.max_new_tokens, room), "min_new_tokens": 0})
+            seqs = [torch.tensor(prompts[i] + episodes[i].tokens) for i in active]
+            batch = SequenceSample.from_lists(list(range(len(active))), {"packed_prompts": seqs})
+            out = engine.generate(batch, MicroBatchSpec(), tokenizer, step)
+            still = []
+            for j, i in enumerate(active):
+                ep = episodes[i]
+                left = a.max_total_tokens - len(ep.tokens)
+                ids, lps = list(out.output_ids[j][:left]), list(out.logprobs[j][:left])
+                ep.tokens += ids
+                ep.mask += [True] * len(ids)
+                ep.logprobs += lps
+                ep.turns += 1
+                ep.final = ids
+                if out.versions is not None and out.versions[j] is not None:
+                    ep.versions += [out.versions[j], (out.last_versions or out.versions)[j]]
+                called = bool(ids) and ids[-1] == close_id and turn < a.max_turns - 1
+                if not called:
+                    ep.no_eos = not (ids and ids[-1] in eos)
+                    continue
+                text = tokenizer.decode(ids)
+                start = text.rfind(a.call_open)
+                call = text[start + len(a.call_open) : len(text) - len(a.call_close)] if start >= 0 else ""
+                result, ok = self._call(call) if start >= 0 else ("error: no call was opened", False)
+                ep.tool_calls += 1
+                ep.tool_errors += not ok
+                result_ids = tokenizer(a.result_template.format(result=result), add_special_tokens=False)[
+                    "input_ids"
+                ]
+                result_ids = result_ids[: a.max_total_tokens - len(ep.tokens)]
+                ep.tokens += result_ids
+                ep.mask += [False] * len(result_ids)
+                ep.logprobs += [0.0] * len(result_ids)
+                ep.final = []
+                still.append(i)
+            active = still
+        return episodes
