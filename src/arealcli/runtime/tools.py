@@ -175,8 +175,10 @@ def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, max_outp
         raise ToolError("python: the network cannot be isolated on this machine, so code is not run")
     if proc.returncode != 0:
         last = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        if proc.returncode < 0:
-            last = [f"killed by {signal.Signals(-proc.returncode).name} (a limit was reached)"]
+        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):  # the CPU-time limit (soft, then hard)
+            last = [f"no result within {timeout_s:g} s (its CPU time limit)"]
+        elif proc.returncode < 0:
+            last = [f"killed by {signal.Signals(-proc.returncode).name}"]
         raise ToolError(f"python: {last[0][:300]}")
     return out.decode(errors="replace")[:max_output_chars].rstrip()
 
