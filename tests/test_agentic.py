@@ -64,7 +64,9 @@ def trained(tmp_path_factory, char_tok):
     batch = data.collate(list(range(len(PAIRS))))
     sft = SFTInterface(SFTArgs())
     for _ in range(150):
-        stats = sft.train_step(model, batch.select(["packed_input_ids", "prompt_mask", "loss_mask"]), MicroBatchSpec())
+        stats = sft.train_step(
+            model, batch.select(["packed_input_ids", "prompt_mask", "loss_mask"]), MicroBatchSpec()
+        )
     assert stats["loss"] < 0.05, stats
     model.module.save_to_hf(char_tok, str(root / "model"))
     return root / "model", data
@@ -137,7 +139,9 @@ def test_tool_call_episodes_round_trip_through_training_on_hf(trained, char_tok)
     recomputed = interface.inference(actor, out.select(["packed_input_ids"]), MicroBatchSpec())
     own = torch.roll(out.data["loss_mask"].bool(), -1)
     own[out.cu_seqlens("packed_input_ids")[1:] - 1] = False
-    assert torch.allclose(out.data["packed_logprobs"][own], recomputed.data["packed_logprobs"][own], atol=1e-4)
+    assert torch.allclose(
+        out.data["packed_logprobs"][own], recomputed.data["packed_logprobs"][own], atol=1e-4
+    )
 
     # the reward scores the final answer (the text after the last tool result)
     out.meta["answers"] = [batch.meta["answers"][i] for i, _ in out.ids]
@@ -165,9 +169,8 @@ def test_tool_call_episodes_round_trip_through_training_on_hf(trained, char_tok)
 
 
 def test_episodes_on_the_embedded_server_match_hf(trained, char_tok, tmp_path):
-    from tests.test_server import start_servers
-
     from arealcli.runtime.server import launcher
+    from tests.test_server import start_servers
 
     model_dir, data = trained
     batch = data.collate(list(range(len(PAIRS)))).select(["packed_prompts"])
@@ -232,7 +235,9 @@ def test_tool_output_tokens_get_no_gradient(char_tok):
         model = HFBackend(HFBackendArgs(device="cpu", optimizer={"type": "sgd", "lr": 0.5})).initialize(
             Model("actor", copy.deepcopy(base), char_tok), SPEC
         )
-        PPOActorInterface(PPOActorArgs(adv_norm="group", generation={"n": 2})).train_step(model, batch, MicroBatchSpec())
+        PPOActorInterface(PPOActorArgs(adv_norm="group", generation={"n": 2})).train_step(
+            model, batch, MicroBatchSpec()
+        )
         return {k: v.clone() for k, v in model.module.module.state_dict().items()}
 
     ref = update(episode_batch(char_tok, "=error: x", 0.0))
@@ -395,3 +400,107 @@ def test_agent_quickstart_learns_to_use_the_calculator(tmp_path):
     assert rate[-1] > 0.9
     rows = [json.loads(line) for line in (run / "samples" / "step_00000200.jsonl").read_text().splitlines()]
     assert sum("=" in r["response"] and r["reward"] == 1.0 for r in rows) > len(rows) / 2  # whole episodes
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible serving
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}: {{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}a: {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def openai_server(trained, char_tok, tmp_path_factory):
+    """The embedded server on the calculator-trained model, with a chat template."""
+    import shutil
+
+    from arealcli.runtime.server import launcher
+    from tests.test_server import start_servers
+
+    model_dir = tmp_path_factory.mktemp("oai") / "model"
+    shutil.copytree(trained[0], model_dir)
+    tok = copy.deepcopy(char_tok)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(model_dir)
+    servers = start_servers(model_dir, tmp_path_factory.mktemp("oai-logs"))
+    yield servers[0], model_dir
+    launcher.stop(servers)
+
+
+def test_openai_client_completions_with_token_ids_and_logprobs(openai_server, trained, char_tok):
+    openai = pytest.importorskip("openai")
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_server import own_logprobs
+
+    server, model_dir = openai_server
+    client = openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [str(model_dir)]
+
+    # the agent loop of the quickstart, written against the OpenAI API: call, run the tool, continue
+    prompt = "417*38="
+    first = client.completions.create(
+        model="policy", prompt=prompt, max_tokens=12, temperature=0, stop="]", logprobs=0
+    )
+    call = first.choices[0]
+    assert call.text == "[417*38]" and call.finish_reason == "stop"
+    result = f"={calculator(call.text[1:-1])} "
+    second = client.completions.create(
+        model="policy", prompt=prompt + call.text + result, max_tokens=12, temperature=0, logprobs=0
+    )
+    assert second.choices[0].finish_reason == "stop"
+    # the same episode as the tool_use workflow's on the in-process engine
+    data = SequenceSample.from_lists([0], {"packed_prompts": [torch.tensor(char_tok(prompt)["input_ids"])]})
+    episode = actor_interface().generate(hf_actor(trained[0], char_tok), data, MicroBatchSpec())
+    text = char_tok.decode(episode.data["packed_input_ids"].tolist(), skip_special_tokens=True)
+    assert text == prompt + call.text + result + second.choices[0].text
+
+    # token ids and log-probs: what training needs, and the policy's own
+    extra = call.model_extra
+    assert extra["prompt_token_ids"] == char_tok(prompt, add_special_tokens=False)["input_ids"]
+    assert char_tok.decode(extra["token_ids"]) == "[417*38]"
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    own = own_logprobs(reference, extra["prompt_token_ids"], extra["token_ids"])
+    assert max(abs(a - b) for a, b in zip(call.logprobs.token_logprobs, own, strict=True)) < 1e-4
+    assert call.logprobs.tokens == [char_tok.decode([t]) for t in extra["token_ids"]]
+    assert first.usage.prompt_tokens == len(prompt) and first.usage.completion_tokens == len(
+        extra["token_ids"]
+    )
+
+    # batches of prompts, n samples each; max_tokens cuts with finish_reason length
+    many = client.completions.create(
+        model="p", prompt=["205*91=", "733*12="], n=3, max_tokens=4, temperature=1.0
+    )
+    assert len(many.choices) == 6 and [c.index for c in many.choices] == list(range(6))
+    assert all(c.finish_reason == "length" and len(c.model_extra["token_ids"]) == 4 for c in many.choices)
+
+
+def test_openai_client_chat_and_refusals(openai_server, char_tok):
+    openai = pytest.importorskip("openai")
+    server, _ = openai_server
+    client = openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(
+        model="policy",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+    )
+    c = chat.choices[0]
+    rendered = char_tok.decode(c.model_extra["prompt_token_ids"])
+    assert rendered == "u: hi\na: " and chat.object == "chat.completion"
+    assert c.message.role == "assistant" and len(c.logprobs.content) == len(c.model_extra["token_ids"])
+    assert c.message.content == char_tok.decode(c.model_extra["token_ids"], skip_special_tokens=True)
+
+    for kwargs, said in [
+        ({"stream": True}, "stream"),
+        ({"stop": "ab"}, "single tokens"),
+        ({"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}, "tool calls"),
+        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], **kwargs)
+        assert said in str(e.value), (kwargs, str(e.value))

@@ -404,6 +404,8 @@ def test_n_samples_through_repeat(char_tok):
 def test_save_to_hf_loads_with_transformers_and_generates(char_tok, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from arealcli.runtime.tokenizer import from_directory
+
     engine = make_engine(char_tok, tiny_module(char_tok, seed=14), OPTIMIZERS["sgd"])
     engine.train_batch(sft_batch(4, seed=1), MicroBatchSpec(), sft_loss, num_answer_tokens, 0)
     engine.save_to_hf(char_tok, str(tmp_path / "hf"))
@@ -412,6 +414,11 @@ def test_save_to_hf_loads_with_transformers_and_generates(char_tok, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = "ab+12="
+    # with spaces: AutoTokenizer swaps in qwen2's own class, from_directory loads what was saved
+    spaced = "ab + 12 = "
+    exact = from_directory(str(tmp_path / "hf"))
+    assert exact(spaced, add_special_tokens=False) == char_tok(spaced, add_special_tokens=False)
+    assert exact.decode(exact(spaced, add_special_tokens=False)["input_ids"]) == spaced
     assert (
         tok(text, add_special_tokens=False)["input_ids"]
         == char_tok(text, add_special_tokens=False)["input_ids"]

@@ -1,4 +1,5 @@
-"""`areal serve --model DIR`: an embedded generation server speaking SGLang's native HTTP protocol."""
+"""`areal serve --model DIR`: an embedded generation server speaking SGLang's native HTTP protocol and
+OpenAI's (/v1/completions, /v1/chat/completions, /v1/models)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,10 @@ def serve(
         raise fail([str(e)]) from None
 
     def ready(h: str, p: int) -> None:
-        console.print(f"serving {model} at http://{h}:{p} (SGLang native protocol)", highlight=False)
+        console.print(
+            f"serving {model} at http://{h}:{p} (SGLang native protocol; OpenAI-compatible under /v1)",
+            highlight=False,
+        )
 
     try:
         serve_forever(server, ready)

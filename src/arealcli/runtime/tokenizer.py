@@ -1,8 +1,9 @@
 """Tokenizers: a local HF directory, or a built-in character-level tokenizer that needs no download.
 
-The character tokenizer is a real `PreTrainedTokenizerFast` (saved with the model, it loads with
-`AutoTokenizer.from_pretrained`): one token per printable ASCII character plus newline, and the special
-tokens <pad> (id 0), <eos>, <unk>.
+The character tokenizer is a real `PreTrainedTokenizerFast` (saved with the model; it loads exactly with
+`PreTrainedTokenizerFast.from_pretrained` or `from_directory` below — transformers' `AutoTokenizer`
+substitutes the model type's own class for a qwen2 model, which drops spaces): one token per printable
+ASCII character plus newline, and the special tokens <pad> (id 0), <eos>, <unk>.
 """
 
 from __future__ import annotations
@@ -29,16 +30,38 @@ def char_tokenizer():
     )
 
 
-def load_tokenizer(spec: TokenizerSpec | None, fallback_path: str | None):
-    from transformers import AutoTokenizer
+def from_directory(path: str):
+    """The tokenizer of a local directory or Hub name, as it was saved.
 
+    `AutoTokenizer` swaps a generic saved tokenizer (tokenizer_class TokenizersBackend, e.g. the character
+    tokenizer saved with a qwen2 model) for the model type's own class, which re-derives its
+    pre-tokenization (qwen2: byte-level, which drops spaces from a character vocabulary). A directory
+    whose tokenizer_config.json names the generic class loads with that class, from its tokenizer.json.
+    """
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(path) / "tokenizer_config.json"
+    if config.is_file() and (Path(path) / "tokenizer.json").is_file():
+        try:
+            declared = json.loads(config.read_text()).get("tokenizer_class")
+        except (OSError, ValueError):
+            declared = None
+        if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_tokenizer(spec: TokenizerSpec | None, fallback_path: str | None):
     if spec is not None and spec.kind == "char":
         return _with_template(char_tokenizer(), spec)
     path = spec.path if spec is not None else fallback_path
     if path is None:
         raise ValueError("no tokenizer: set `tokenizer:` in the recipe or give a model a `path`")
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = from_directory(path)
     except (OSError, ValueError, TypeError) as e:  # no or broken tokenizer files
         raise UserError(f"cannot load a tokenizer from {path}: {str(e).strip().splitlines()[0]}") from None
     if tok.pad_token_id is None:

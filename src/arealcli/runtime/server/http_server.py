@@ -1,4 +1,4 @@
-"""The HTTP face of `areal serve`: SGLang's native endpoints on an aiohttp server.
+"""The HTTP face of `areal serve`: SGLang's native endpoints, and OpenAI's, on an aiohttp server.
 
     POST /generate                   generate (single, batch, n > 1; logprobs)
     POST /update_weights_from_disk   {model_path, abort_all_requests?, weight_version?, flush_cache?}
@@ -8,6 +8,7 @@
     GET  /get_model_info, /model_info
     GET  /get_server_info, /server_info  (internal_states: batches, samples, tokens so far)
     GET|POST /flush_cache            nothing is cached across requests: always succeeds
+    POST /v1/completions, /v1/chat/completions, GET /v1/models   OpenAI-compatible (openai_api)
 
 One event-loop thread serves every connection (no thread per connection: on a busy CPU, handing requests
 between many threads costs more than generating); the scheduler's thread batches and generates, and
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -28,6 +30,14 @@ from typing import Any
 from aiohttp import web
 
 from arealcli.runtime.server.model_runner import ModelRunner
+from arealcli.runtime.server.openai_api import (
+    Choice,
+    OpenAIRequest,
+    completion_response,
+    models_response,
+    parse_chat_request,
+    parse_completion_request,
+)
 from arealcli.runtime.server.protocol import ProtocolError, generate_response, parse_generate
 from arealcli.runtime.server.scheduler import Scheduler, Sequence
 
@@ -59,15 +69,7 @@ class GenerationService:
             rids = [rid] if sampling.n == 1 else [f"{rid}-{j}" for j in range(sampling.n)]
             per_prompt.append([Sequence(x, ids, sampling, max_new) for x in rids])
         seqs = [s for group in per_prompt for s in group]
-        loop = asyncio.get_running_loop()
-        waits = []
-        for s in seqs:
-            done = loop.create_future()
-            s.on_done = lambda done=done: loop.call_soon_threadsafe(_resolve, done)
-            waits.append(done)
-        self.scheduler.submit(seqs)
-        await asyncio.gather(*waits)
-        errors = [s.error for s in seqs if s.error]
+        errors = await self._run(seqs)
         if errors:
             return 500, {"error": {"message": errors[0]}}
         latency = time.perf_counter() - t0
@@ -89,6 +91,102 @@ class GenerationService:
                     )
                 )
         return 200, out if req.is_batch or len(out) > 1 else out[0]
+
+    async def _run(self, seqs: list[Sequence]) -> list[str]:
+        """Generate `seqs` (batched with whatever else is waiting); their errors."""
+        loop = asyncio.get_running_loop()
+        waits = []
+        for s in seqs:
+            done = loop.create_future()
+            s.on_done = lambda done=done: loop.call_soon_threadsafe(_resolve, done)
+            waits.append(done)
+        self.scheduler.submit(seqs)
+        await asyncio.gather(*waits)
+        return [s.error for s in seqs if s.error]
+
+    # ------------------------------------------------------------------ OpenAI-compatible
+
+    def _prompt_ids(self, prompt: list[int] | str) -> list[int]:
+        r = self.runner
+        ids = prompt if isinstance(prompt, list) else r.encode(prompt)
+        if max(ids) >= r.vocab_size or min(ids) < 0:
+            raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
+        if len(ids) >= r.context_length:
+            raise ProtocolError(
+                f"the prompt ({len(ids)} tokens) leaves no room in the model's context ({r.context_length} tokens)"
+            )
+        return ids
+
+    def _single_token(self, text: str) -> int:
+        ids = self.runner.encode(text)
+        if len(ids) != 1:
+            raise ProtocolError(
+                f"stop {text!r} is {len(ids)} tokens; the embedded server stops on single tokens "
+                "(a one-token stop text or stop_token_ids)"
+            )
+        return ids[0]
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.runner.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ProtocolError(
+                "the served tokenizer has no chat template: use /v1/completions with a rendered prompt"
+            )
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._prompt_ids(tok.encode(rendered, add_special_tokens=False))
+
+    async def _openai(self, req: OpenAIRequest) -> tuple[int, Any]:
+        """Every prompt's n choices; a sample aborted by a weight update is continued on the new weights."""
+        r = self.runner
+        prompts = [self._prompt_ids(p) for p in req.prompts]
+        choices: list[Choice] = []
+        for ids in prompts:
+            room = r.context_length - len(ids)
+            max_new = min(req.sampling.max_new_tokens, room)
+            seqs = [Sequence(f"oai-{j}", ids, req.sampling, max_new) for j in range(req.sampling.n)]
+            out: list[list[int]] = [[] for _ in seqs]
+            lps: list[list[float]] = [[] for _ in seqs]
+            versions: list[list[str]] = [[] for _ in seqs]
+            finish: list[str] = ["length"] * len(seqs)
+            pending = list(range(len(seqs)))
+            for _ in range(100):  # each round: what is left after an abort
+                errors = await self._run([seqs[j] for j in pending])
+                if errors:
+                    return 500, {"error": {"message": errors[0]}}
+                again = []
+                for j in pending:
+                    s = seqs[j]
+                    out[j] += s.output_ids
+                    lps[j] += s.logprobs
+                    versions[j].append(s.weight_version)
+                    finish[j] = s.finish["type"]
+                    left = max_new - len(out[j])
+                    if finish[j] == "abort" and left > 0:
+                        sampling = dataclasses.replace(
+                            s.sampling, min_new_tokens=max(0, req.sampling.min_new_tokens - len(out[j]))
+                        )
+                        seqs[j] = Sequence(s.rid, ids + out[j], sampling, left)
+                        again.append(j)
+                    elif finish[j] == "abort":
+                        finish[j] = "length"
+                pending = again
+                if not pending:
+                    break
+            else:
+                return 503, {"error": {"message": "requests kept being aborted (weight updates); try again"}}
+            for j in range(len(seqs)):
+                texts = r.token_texts(out[j]) or [""] * len(out[j])
+                choices.append(Choice(ids, out[j], lps[j], finish[j], r.decode(out[j]), texts, versions[j]))
+        return 200, completion_response(req, choices, self.served_model_name, sum(len(p) for p in prompts))
+
+    async def completions(self, body: Any) -> tuple[int, Any]:
+        return await self._openai(parse_completion_request(body, self._single_token))
+
+    async def chat_completions(self, body: Any) -> tuple[int, Any]:
+        return await self._openai(parse_chat_request(body, self._single_token, self._render_chat))
+
+    async def models(self, body: Any) -> tuple[int, Any]:
+        return 200, models_response(self.served_model_name)
 
     async def update_weights_from_disk(self, body: Any) -> tuple[int, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
@@ -177,6 +275,9 @@ ROUTES = [
     ("GET", "/server_info", "server_info"),
     ("GET", "/flush_cache", "flush_cache"),
     ("POST", "/flush_cache", "flush_cache"),
+    ("POST", "/v1/completions", "completions"),
+    ("POST", "/v1/chat/completions", "chat_completions"),
+    ("GET", "/v1/models", "models"),
 ]
 
 

@@ -71,12 +71,12 @@ class ModelRunner:
     def _load_tokenizer(path: str):
         """The directory's tokenizer, or None (then only input_ids requests are served, like
         SGLang's --skip-tokenizer-init)."""
-        from transformers import AutoTokenizer
+        from arealcli.runtime.tokenizer import from_directory
 
         if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
             return None
         try:
-            return AutoTokenizer.from_pretrained(path)
+            return from_directory(path)
         except Exception:  # an unloadable tokenizer must not stop a token-id server
             return None
 

@@ -1,0 +1,276 @@
+"""OpenAI-compatible requests and responses for `areal serve`: agent code written for the OpenAI API can
+be pointed at a policy while it trains.
+
+    POST /v1/completions        {prompt: str | [int] | [str] | [[int]], max_tokens=16, temperature=1,
+                                 top_p, n, stop, logprobs (0), ...}
+    POST /v1/chat/completions   {messages: [{role, content}], max_tokens | max_completion_tokens,
+                                 temperature, top_p, n, stop, logprobs (bool), ...}
+    GET  /v1/models
+
+Chat prompts are rendered with the served tokenizer's chat template (its generation prompt appended).
+Every choice also carries `token_ids` (the generated tokens) and `prompt_token_ids`, and a response its
+policy version that generated it (the first and the last when a weight update
+interrupted it: aborted samples are continued on the new weights, never cut) in `weight_version` and
+`weight_version_last`. Beyond OpenAI's fields,
+vLLM's `top_k`, `min_tokens` and `stop_token_ids` are accepted. What the embedded server cannot do
+(streaming, tool-call parsing, penalties, top alternatives of log-probs, multi-token stop strings) is
+refused with a message saying so, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from arealcli.runtime.server.protocol import ProtocolError, Sampling
+
+# Fields accepted only at their neutral values (None and these).
+_NEUTRAL: dict[str, tuple] = {
+    "stream": (False,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "seed": (),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "parallel_tool_calls": (False, True),
+    "stream_options": (),
+}
+_WHY = {
+    "tools": "tool calls are written and parsed by the agent (e.g. the tool_use workflow), not the server",
+    "seed": "the embedded server has no per-request seed",
+    "stream": "the embedded server answers whole responses only",
+}
+_IGNORED = {"model", "user", "metadata", "store", "service_tier", "return_token_ids", "skip_special_tokens"}
+_COMMON = {"max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "min_tokens"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+
+
+@dataclass
+class OpenAIRequest:
+    prompts: list[list[int] | str]  # token ids, or text to encode
+    sampling: Sampling
+    logprobs: bool
+    chat: bool
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise ProtocolError(f"{key} must be a number in [{lo:g}, {hi:g}] (got {v!r})")
+    return float(v)
+
+
+def _integer(body: dict, key: str, default: int | None, lo: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ProtocolError(f"{key} must be an integer >= {lo} (got {v!r})")
+    return v
+
+
+def _check_fields(body: Any, allowed: set[str]) -> dict:
+    if not isinstance(body, dict):
+        raise ProtocolError("the body must be a JSON object")
+    for key, neutral in _NEUTRAL.items():
+        value = body.get(key)
+        if value is not None and value not in neutral:
+            why = _WHY.get(key.removesuffix("_choice").replace("functions", "tools"), "")
+            raise ProtocolError(
+                f"{key}={value!r} is not supported by the embedded server" + (f": {why}" if why else "")
+            )
+    unknown = sorted(set(body) - allowed - set(_NEUTRAL) - _IGNORED)
+    if unknown:
+        raise ProtocolError(f"unknown fields {unknown}")
+    return body
+
+
+def _stop_ids(body: dict, single_token) -> tuple[int, ...]:
+    """`stop` strings (each must be one token: generation stops on token ids) and `stop_token_ids`."""
+    stop = body.get("stop")
+    texts = [stop] if isinstance(stop, str) else stop or []
+    if not isinstance(texts, list) or not all(isinstance(s, str) and s for s in texts) or len(texts) > 4:
+        raise ProtocolError(f"stop must be a text or a list of up to 4 texts (got {stop!r})")
+    ids = [single_token(s) for s in texts]
+    extra = body.get("stop_token_ids") or []
+    if not isinstance(extra, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
+        raise ProtocolError(f"stop_token_ids must be a list of integers (got {extra!r})")
+    return tuple(sorted(set(ids) | set(extra)))
+
+
+def _sampling(body: dict, max_tokens: int | None, stop: tuple[int, ...]) -> Sampling:
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_k = _integer(body, "top_k", -1, -1)
+    if top_k == 0:
+        raise ProtocolError("top_k must be -1 (all tokens) or at least 1 (got 0)")
+    min_tokens = _integer(body, "min_tokens", 0, 0)
+    return Sampling(
+        max_new_tokens=max_tokens if max_tokens is not None else 1 << 30,  # the context length caps it
+        min_new_tokens=min_tokens if max_tokens is None else min(min_tokens, max_tokens),
+        temperature=temperature,
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=max(top_k, 0),
+        stop_token_ids=stop,
+        n=_integer(body, "n", 1, 1),
+    )
+
+
+def parse_completion_request(body: Any, single_token) -> OpenAIRequest:
+    body = _check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        prompts: list = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt)
+    ):
+        prompts = list(prompt)
+    else:
+        raise ProtocolError("prompt must be a text, a list of token ids, or a list of those (non-empty)")
+    if any(p == "" for p in prompts):
+        raise ProtocolError("prompt must not be empty")
+    logprobs = _integer(body, "logprobs", None, 0)
+    if logprobs is not None and logprobs > 0:
+        raise ProtocolError(
+            "logprobs > 0 (top alternatives) is not supported by the embedded server; "
+            "logprobs: 0 returns the log-prob of every generated token"
+        )
+    max_tokens = _integer(body, "max_tokens", 16, 0)  # OpenAI's default for completions
+    return OpenAIRequest(
+        prompts, _sampling(body, max_tokens, _stop_ids(body, single_token)), logprobs is not None, False
+    )
+
+
+def _message_text(message: Any, i: int) -> dict[str, str]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ProtocolError(f"messages[{i}] must be an object with a role and a content")
+    content = message.get("content")
+    if isinstance(content, list):  # [{type: text, text}] parts
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            raise ProtocolError(f"messages[{i}].content: only text parts are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ProtocolError(f"messages[{i}].content must be a text (got {type(content).__name__})")
+    return {"role": message["role"], "content": content}
+
+
+def parse_chat_request(body: Any, single_token, render) -> OpenAIRequest:
+    """`render(messages) -> token ids` applies the served tokenizer's chat template."""
+    body = _check_fields(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("messages must be a non-empty list of {role, content}")
+    prompt = render([_message_text(m, i) for i, m in enumerate(messages)])
+    top = _integer(body, "top_logprobs", None, 0)
+    if top:
+        raise ProtocolError(
+            "top_logprobs > 0 is not supported by the embedded server (logprobs: true gives each token's)"
+        )
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ProtocolError(f"logprobs must be true or false (got {logprobs!r})")
+    max_tokens = _integer(body, "max_completion_tokens", None, 0)
+    max_tokens = _integer(body, "max_tokens", None, 0) if max_tokens is None else max_tokens
+    return OpenAIRequest(
+        [prompt], _sampling(body, max_tokens, _stop_ids(body, single_token)), bool(logprobs), True
+    )
+
+
+@dataclass
+class Choice:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    finish: str  # stop | length
+    text: str
+    token_texts: list[str]
+    versions: list[str]  # weight versions that generated it (first ... last)
+
+
+def completion_response(
+    req: OpenAIRequest, choices: list[Choice], model: str, prompt_tokens: int
+) -> dict[str, Any]:
+    created = int(time.time())
+    out = []
+    for i, c in enumerate(choices):
+        item: dict[str, Any] = {
+            "index": i,
+            "finish_reason": c.finish,
+            "token_ids": c.output_ids,
+            "prompt_token_ids": c.prompt_ids,
+            # the policy versions that generated it: they differ when a weight update interrupted it
+            "weight_version": c.versions[0],
+            "weight_version_last": c.versions[-1],
+        }
+        if req.chat:
+            item["message"] = {"role": "assistant", "content": c.text}
+            item["logprobs"] = (
+                {
+                    "content": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(c.token_texts, c.logprobs, strict=True)
+                    ]
+                }
+                if req.logprobs
+                else None
+            )
+        else:
+            item["text"] = c.text
+            offsets, at = [], 0
+            for t in c.token_texts:
+                offsets.append(at)
+                at += len(t)
+            item["logprobs"] = (
+                {
+                    "tokens": c.token_texts,
+                    "token_logprobs": c.logprobs,
+                    "top_logprobs": None,
+                    "text_offset": offsets,
+                }
+                if req.logprobs
+                else None
+            )
+        out.append(item)
+    generated = sum(len(c.output_ids) for c in choices)
+    return {
+        "id": f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": "chat.completion" if req.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": out,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": generated,
+            "total_tokens": prompt_tokens + generated,
+        },
+    }
+
+
+def models_response(model: str) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": 0, "owned_by": "arealcli"}],
+    }
