@@ -471,7 +471,12 @@ def test_openai_client_completions_with_token_ids_and_logprobs(openai_server, tr
 
     # batches of prompts, n samples each; max_tokens cuts with finish_reason length
     many = client.completions.create(
-        model="p", prompt=["205*91=", "733*12="], n=3, max_tokens=4, temperature=1.0
+        model="p",
+        prompt=["205*91=", "733*12="],
+        n=3,
+        max_tokens=4,
+        temperature=1.0,
+        extra_body={"min_tokens": 4},
     )
     assert len(many.choices) == 6 and [c.index for c in many.choices] == list(range(6))
     assert all(c.finish_reason == "length" and len(c.model_extra["token_ids"]) == 4 for c in many.choices)
@@ -504,3 +509,74 @@ def test_openai_client_chat_and_refusals(openai_server, char_tok):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="p", messages=[{"role": "user", "content": "x"}], **kwargs)
         assert said in str(e.value), (kwargs, str(e.value))
+
+
+WORKFLOW_PLUGIN = '''
+"""A workflow of one's own: one generation turn, then the environment says "ok" (not trained)."""
+from dataclasses import dataclass
+
+from arealcli.api import Episode, MicroBatchSpec, SequenceSample, register_workflow
+import torch
+
+
+@dataclass
+class EchoArgs:
+    reply: str = " ok"
+    turns: int = 1
+
+
+class Echo:
+    Args = EchoArgs
+
+    def __init__(self, args):
+        self.args = args
+
+    def run(self, engine, tokenizer, prompts, gconfig):
+        batch = SequenceSample.from_lists(list(range(len(prompts))), {"packed_prompts": [torch.tensor(p) for p in prompts]})
+        out = engine.generate(batch, MicroBatchSpec(), tokenizer, gconfig)
+        reply = tokenizer(self.args.reply, add_special_tokens=False)["input_ids"]
+        return [
+            Episode(tokens=list(ids) + reply, mask=[True] * len(ids) + [False] * len(reply),
+                    logprobs=list(lps) + [0.0] * len(reply), no_eos=False, turns=1)
+            for ids, lps in zip(out.output_ids, out.logprobs)
+        ]
+
+
+register_workflow("echo", Echo)
+'''
+
+
+def test_a_plugin_workflow_is_checked_and_trains(ws, cli):
+    (ws.root / "echo_workflow.py").write_text(WORKFLOW_PLUGIN)
+    recipe = yaml.safe_load(agent_recipe(ws).read_text())
+    recipe["imports"] = ["echo_workflow"]
+    recipe["dataflow"]["actor"]["workflow"] = {"type_": "echo", "args": {"turns": "2"}}
+    text = "\n".join(check_lines(cli, ws.text("echo.yaml", yaml.safe_dump(recipe))))
+    assert "turns" in text and "integer" in text  # the plugin's own args, typed
+    recipe["dataflow"]["actor"]["workflow"]["args"] = {"reply": " fine"}
+    recipe["dataset"]["args"]["limit"] = 16
+    recipe["dataset"]["batch_size"] = 4
+    recipe["eval_dataset"]["args"]["limit"] = 8
+    recipe["dataflow"]["sft_warmup_steps"] = 1
+    recipe["trainer"] = {"max_steps": 3, "log_every_n_steps": 1, "samples_every_n_steps": 3}
+    result = cli("train", ws.text("echo.yaml", yaml.safe_dump(recipe)), "-o", ws.root / "run")
+    assert result.exit_code == 0, result.output + result.stderr
+    rows = [
+        json.loads(x) for x in (ws.root / "run" / "samples" / "step_00000003.jsonl").read_text().splitlines()
+    ]
+    assert rows and all(r["response"].endswith(" fine") for r in rows)
+
+
+def test_tool_calls_as_text_or_as_chat_template_json():
+    from arealcli.runtime.workflows import ToolUseWorkflow
+    from arealcli.schema.components.workflows import ToolUseArgs
+
+    one = ToolUseWorkflow(ToolUseArgs(tools=["calculator"]))
+    assert one._call("2*3") == ("6", True)
+    assert one._call('{"name": "calculator", "arguments": {"expression": "2*3"}}') == ("6", True)
+    result, ok = one._call("2*x")
+    assert not ok and result.startswith("error: ")
+    assert one._call('{"name": "calc"}')[0].startswith("error: no tool 'calc'")
+    assert one._call('{"oops": 1}') == ('error: a JSON tool call is {"name": ..., "arguments": ...}', False)
+    two = ToolUseWorkflow(ToolUseArgs(tools=["calculator", "python"], allow_python=True))
+    assert two._call("calculator: 7*6") == ("42", True)

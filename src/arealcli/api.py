@@ -5,6 +5,8 @@
     ModelBackend, register_backend         a backend (`capabilities`, `_initialize`)
     TrainEngine, InferenceEngine           the two engine kinds a backend builds
     register_dataset, register_reward      data and reward functions
+    register_tool, ToolError               a tool an episode can call: fn(text) -> text
+    register_workflow, Episode             an episode workflow: run(engine, tokenizer, prompts, gconfig)
     make_interface, make_backend           build one from a `{type_, args}` spec
     SequenceSample, MicroBatchSpec, Model  the data protocol, micro-batch split, a model of the run
 """
@@ -24,10 +26,14 @@ from arealcli.runtime.registry import (
     register_interface,
     register_reward,
 )
+from arealcli.runtime.tools import ToolError, register_tool
+from arealcli.runtime.workflows import Episode
 from arealcli.schema.base import ModelBackendAbstraction, ModelInterfaceAbstraction
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+from arealcli.schema.registry import register_workflow
 
 __all__ = [
+    "Episode",
     "GenerationHyperparameters",
     "GroupGenerator",
     "InferenceEngine",
@@ -38,6 +44,7 @@ __all__ = [
     "ModelInterface",
     "ModelInterfaceAbstraction",
     "SequenceSample",
+    "ToolError",
     "TrainEngine",
     "make_backend",
     "make_dataset",
@@ -46,4 +53,6 @@ __all__ = [
     "register_dataset",
     "register_interface",
     "register_reward",
+    "register_tool",
+    "register_workflow",
 ]

@@ -18,6 +18,7 @@ A workflow of your own: a class with `Args` and `run(engine, tokenizer, prompts,
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -52,9 +53,20 @@ class ToolUseWorkflow:
         self.tools = {name: get_tool(name) for name in args.tools}
 
     def _call(self, text: str) -> tuple[str, bool]:
-        """The tool's result text for a call's argument text (`name: arg` with several tools), and ok."""
+        """The tool's result text for a call, and ok. A call is the argument text (`name: arg` with
+        several tools), or JSON as instruct models' chat templates write it: `{"name": "calculator",
+        "arguments": {"expression": "2*3"}}` (an argument object with one value passes that value)."""
         name, arg = next(iter(self.tools)), text
-        if len(self.tools) > 1:
+        if text.strip().startswith("{"):
+            try:
+                call = json.loads(text)
+                name, arg = call["name"], call.get("arguments", "")
+            except (ValueError, KeyError, TypeError):
+                return 'error: a JSON tool call is {"name": ..., "arguments": ...}', False
+            if isinstance(arg, dict) and len(arg) == 1:
+                arg = next(iter(arg.values()))
+            arg = arg if isinstance(arg, str) else json.dumps(arg)
+        elif len(self.tools) > 1:
             name, _, arg = text.partition(":")
             name = name.strip()
         if name not in self.tools:

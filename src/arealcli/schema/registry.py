@@ -115,11 +115,16 @@ ALL = {
 
 
 def _args_model_of(obj: Any) -> type[BaseModel]:
-    """The component's argument model: its pydantic `Args`, or one made from its dataclass fields
-    (AReaL's style: `@dataclass class MyInterface(ModelInterface): eps: float = 0.2`)."""
+    """The component's argument model: its `Args` (pydantic, or a dataclass made strict), or one made
+    from its own dataclass fields (AReaL's style: `@dataclass class MyInterface(ModelInterface): eps:
+    float = 0.2`)."""
     args = getattr(obj, "Args", None)
     if isinstance(args, type) and issubclass(args, BaseModel):
         return args
+    if isinstance(args, type) and dataclasses.is_dataclass(args):  # `Args` a dataclass: cls(args) as usual
+        model = dataclass_args_model(args)
+        model.__dataclass_interface__ = False
+        return model
     if isinstance(obj, type) and dataclasses.is_dataclass(obj):
         return dataclass_args_model(obj)
     return NoArgs

@@ -8,8 +8,9 @@ from arealcli.schema.base import StrictModel
 
 
 class ToolUseArgs(StrictModel):
-    """Generate; when the model writes a tool call, run the tool, append its result, continue; up to
-    max_turns. The model's own tokens train, tool output never does; the reward scores the final answer."""
+    """Multi-turn tool use: the model's tool calls are run and their results appended, up to max_turns.
+
+    The model's own tokens train, tool output never does; the reward scores the final answer."""
 
     tools: list[str] = Field(
         default_factory=lambda: ["calculator"], description="Registered tools it may call."
