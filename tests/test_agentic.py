@@ -379,15 +379,34 @@ def test_list_shows_workflows_and_tools(cli):
 # --------------------------------------------------------------------------- the agent quickstart
 
 
+def async_agent_recipe(path: Path) -> Path:
+    """The agent quickstart with asynchronous rollout: a `local` generator runs up to 2 steps ahead."""
+    recipe = yaml.safe_load((REPO / "recipes" / "quickstart-agent.yaml").read_text())
+    recipe["models"]["actor_gen"] = {
+        "init_from": "actor",
+        "weights_from": "actor",
+        "backend": {"type_": "local"},
+    }
+    recipe["rollout"] = {"max_staleness": 2}
+    recipe["dataflow"]["actor"].update(use_decoupled_loss=True, behav_imp_weight_cap=5.0)
+    for key in ("dataset", "eval_dataset"):
+        recipe[key]["args"]["path"] = str(REPO / "data" / "mul" / Path(recipe[key]["args"]["path"]).name)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
 @pytest.mark.slow
-def test_agent_quickstart_learns_to_use_the_calculator(tmp_path):
+@pytest.mark.parametrize("rollout", ["sync", "async"])
+def test_agent_quickstart_learns_to_use_the_calculator(tmp_path, rollout):
     import subprocess
     import sys
 
     run = tmp_path / "run"
+    recipe = REPO / "recipes" / "quickstart-agent.yaml"
+    if rollout == "async":
+        recipe = async_agent_recipe(tmp_path / "agent-async.yaml")
     done = subprocess.run(
-        [sys.executable, "-m", "arealcli.main", "train", str(REPO / "recipes" / "quickstart-agent.yaml"),
-         "-o", str(run)],
+        [sys.executable, "-m", "arealcli.main", "train", str(recipe), "-o", str(run)],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -580,3 +599,16 @@ def test_tool_calls_as_text_or_as_chat_template_json():
     assert one._call('{"oops": 1}') == ('error: a JSON tool call is {"name": ..., "arguments": ...}', False)
     two = ToolUseWorkflow(ToolUseArgs(tools=["calculator", "python"], allow_python=True))
     assert two._call("calculator: 7*6") == ("42", True)
+
+
+def test_check_wants_a_value_head_on_critics_only(ws, cli):
+    recipe = yaml.safe_load(agent_recipe(ws).read_text())
+    recipe["models"]["critic"] = {"init_from": "actor", "backend": recipe["models"]["actor"]["backend"]}
+    recipe["dataflow"]["preset"] = "ppo"
+    recipe["dataflow"]["actor"]["adv_norm"] = "batch"
+    (line,) = check_lines(cli, ws.text("ppo.yaml", yaml.safe_dump(recipe)))[1:]
+    assert "models.critic" in line and "add `value_head: true`" in line
+    recipe["models"]["critic"]["value_head"] = True
+    recipe["models"]["actor"]["value_head"] = True
+    (line,) = check_lines(cli, ws.text("ppo.yaml", yaml.safe_dump(recipe)))[1:]
+    assert "models.actor.value_head" in line and "language model" in line

@@ -321,6 +321,30 @@ def _check_graph(data: dict, typed: Typed) -> list[Problem]:
                     "its training; drop weights_from or the train_step call",
                 )
             )
+    said: set[str] = set()
+    for call in calls:  # a critic scores states: it needs a value head, and only a critic has one
+        spec = models.get(call.model) if call.model is not None else None
+        if spec is None or call.model in said:
+            continue
+        if call.interface.type_ == "ppo_critic" and not spec.value_head:
+            problems.append(
+                Problem(
+                    ("models", call.model),
+                    f"model {call.model!r} is the critic of call {call.name!r} but has no value head; "
+                    "add `value_head: true`",
+                )
+            )
+            said.add(call.model)
+        elif call.interface.type_ in ("ppo_actor", "sft") and spec.value_head:
+            problems.append(
+                Problem(
+                    ("models", call.model, "value_head"),
+                    f"model {call.model!r} has a value head (a critic) but call {call.name!r} uses it as a "
+                    f"language model ({call.interface.type_})",
+                    True,
+                )
+            )
+            said.add(call.model)
     problems.extend(_check_lora(calls, models, trained, typed))
     problems.extend(_check_capabilities(calls, models, trained))
     if data.get("rollout") is not None:
