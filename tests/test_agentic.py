@@ -464,12 +464,13 @@ def test_openai_client_completions_with_token_ids_and_logprobs(openai_server, tr
         model="policy", prompt=prompt, max_tokens=12, temperature=0, stop="]", logprobs=0
     )
     call = first.choices[0]
-    assert call.text == "[417*38]" and call.finish_reason == "stop"
-    result = f"={calculator(call.text[1:-1])} "
+    # as with OpenAI the stop text is not in `text`; `stop_reason` names it, `token_ids` keep its token
+    assert call.text == "[417*38" and call.finish_reason == "stop" and call.model_extra["stop_reason"] == "]"
+    result = f"]={calculator(call.text[1:])} "
     second = client.completions.create(
         model="policy", prompt=prompt + call.text + result, max_tokens=12, temperature=0, logprobs=0
     )
-    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].model_extra["stop_reason"] is None
     # the same episode as the tool_use workflow's on the in-process engine
     data = SequenceSample.from_lists([0], {"packed_prompts": [torch.tensor(char_tok(prompt)["input_ids"])]})
     episode = actor_interface().generate(hf_actor(trained[0], char_tok), data, MicroBatchSpec())
@@ -612,3 +613,141 @@ def test_check_wants_a_value_head_on_critics_only(ws, cli):
     recipe["models"]["actor"]["value_head"] = True
     (line,) = check_lines(cli, ws.text("ppo.yaml", yaml.safe_dump(recipe)))[1:]
     assert "models.actor.value_head" in line and "language model" in line
+
+
+# --------------------------------------------------------------------------- workflows written as OpenAI-client agents
+
+
+def load_example_agent():
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        return importlib.import_module("calculator_agent")
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+
+
+def test_an_openai_client_agent_generates_the_same_episodes_as_tool_use(trained, char_tok):
+    """The calculator loop written as OpenAI-client code (examples/calculator_agent.py) gives, in process,
+    the very episodes of the built-in tool_use workflow: tokens, masks and log-probs."""
+    load_example_agent()
+    model_dir, data = trained
+    actor = hf_actor(model_dir, char_tok)
+    batch = data.collate(list(range(len(PAIRS)))).select(["packed_prompts"])
+    reference = actor_interface().generate(actor, batch, MicroBatchSpec())
+    agent = actor_interface(workflow={"type_": "calculator_agent", "args": {"max_total_tokens": 32}})
+    episodes = agent.generate(actor, batch, MicroBatchSpec())
+    assert check_episodes(episodes, data, char_tok) >= len(PAIRS) - 1
+    for key in ("packed_input_ids", "prompt_mask", "loss_mask", "seq_no_eos_mask"):
+        assert torch.equal(episodes.data[key], reference.data[key]), key
+    assert torch.allclose(episodes.data["packed_logprobs"], reference.data["packed_logprobs"], atol=1e-6)
+    assert episodes.stats["episode/tool_call_rate"] == reference.stats["episode/tool_call_rate"]
+
+
+def test_the_same_agent_code_runs_against_areal_serve(openai_server, trained, char_tok):
+    openai = pytest.importorskip("openai")
+    agent = load_example_agent().calculator_agent
+    server, _ = openai_server
+    client = openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="unused", max_retries=0)
+    model_dir, data = trained
+    actor = hf_actor(model_dir, char_tok)
+    for a, b in PAIRS[:3]:
+        prompt = f"{a}*{b}="
+        over_http = agent(client, prompt, temperature=0)
+        data1 = SequenceSample.from_lists(
+            [0], {"packed_prompts": [torch.tensor(char_tok(prompt)["input_ids"])]}
+        )
+        episode = actor_interface().generate(actor, data1, MicroBatchSpec())
+        _, (final,) = decode_final(episode, char_tok)
+        assert over_http == final
+
+
+def decode_final(out: SequenceSample, tok):
+    from arealcli.runtime.interfaces.ppo_actor import decode_responses
+
+    return decode_responses(tok, out)
+
+
+AGENT_PLUGIN = """
+from arealcli.runtime.agent import AgentWorkflow
+from arealcli.schema.registry import register_workflow
+
+
+class Rewriter(AgentWorkflow):
+    def episode(self, client, prompt):
+        first = client.completions.create(model="p", prompt=prompt, max_tokens=3)
+        client.completions.create(model="p", prompt="something else entirely", max_tokens=3)
+
+
+class Hot(AgentWorkflow):
+    def episode(self, client, prompt):
+        client.completions.create(model="p", prompt=prompt, max_tokens=3, temperature=0.3)
+
+
+register_workflow("rewriter", Rewriter)
+register_workflow("hot", Hot)
+"""
+
+
+def test_agent_mistakes_are_clear_errors(trained, char_tok, tmp_path, monkeypatch):
+    from arealcli.errors import UserError
+
+    (tmp_path / "bad_agents.py").write_text(AGENT_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__("bad_agents")
+    model_dir, data = trained
+    actor = hf_actor(model_dir, char_tok)
+    batch = data.collate([0, 1]).select(["packed_prompts"])
+    with pytest.raises(UserError, match="must each extend the previous request"):
+        actor_interface(workflow={"type_": "rewriter"}).generate(actor, batch, MicroBatchSpec())
+    with pytest.raises(UserError, match="temperature=0.3.*recipe's generation"):
+        actor_interface(workflow={"type_": "hot"}).generate(actor, batch, MicroBatchSpec())
+
+
+CHAT_AGENT_PLUGIN = """
+from arealcli.runtime.agent import AgentWorkflow
+from arealcli.schema.registry import register_workflow
+
+
+class TwoTurnChat(AgentWorkflow):
+    def episode(self, client, prompt):
+        messages = [{"role": "user", "content": prompt}]
+        for question in ("again", None):
+            reply = client.chat.completions.create(model="p", messages=messages, max_tokens=4)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            if question:
+                messages.append({"role": "user", "content": question})
+
+
+register_workflow("two_turn_chat", TwoTurnChat)
+"""
+
+
+def test_a_chat_agent_trains_on_its_own_turns_only(char_tok, tmp_path, monkeypatch):
+    (tmp_path / "chat_agents.py").write_text(CHAT_AGENT_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__("chat_agents")
+    tok = copy.deepcopy(char_tok)
+    tok.chat_template = CHAT_TEMPLATE
+    actor = HFBackend(HFBackendArgs(device="cpu")).initialize(
+        Model("actor", tiny_module(tok, seed=5), tok), SPEC
+    )
+    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("hi", "yo")]  # plain questions
+    batch = SequenceSample.from_lists([0, 1], {"packed_prompts": [torch.tensor(p) for p in prompts]})
+    interface = PPOActorInterface(
+        PPOActorArgs.model_validate(
+            {
+                "workflow": {"type_": "two_turn_chat", "args": {"max_total_tokens": 40}},
+                "generation": {"max_new_tokens": 4},
+            }
+        )
+    )
+    out = interface.generate(actor, batch, MicroBatchSpec())
+    for ids, lm, q in zip(out.unpack("packed_input_ids"), out.unpack("loss_mask"), ("hi", "yo"), strict=True):
+        parts = segments(ids.tolist(), lm.bool().tolist())
+        own = [tok.decode(t) for mine, t in parts if mine]
+        assert len(own) == 2  # two assistant replies train ...
+        inserted = [tok.decode(t) for mine, t in parts if not mine]
+        assert inserted[0] == f"u: {q}\na: " and "u: again\na: " in inserted[1]  # ... the user turns never do

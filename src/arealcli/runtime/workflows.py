@@ -41,6 +41,7 @@ class Episode:
     tool_errors: int = 0
     final: list[int] = field(default_factory=list)  # the model's tokens after the last tool result
     versions: list[int] = field(default_factory=list)  # policy versions of its generation turns
+    prompt: list[int] | None = None  # the episode's own prompt, when not the dataset's (an agent's rendering)
 
 
 class ToolUseWorkflow:

@@ -136,6 +136,7 @@ class PPOActorInterface(ModelInterface):
         episodes = self.workflow.run(model.module, model.tokenizer, prompts, g)
         seqs, prompt_masks, loss_masks, logprobs, no_eos, versions, lasts = [], [], [], [], [], [], []
         for prompt, ep in zip(prompts, episodes, strict=True):
+            prompt = prompt if ep.prompt is None else ep.prompt
             p, n = len(prompt), len(ep.tokens)
             seqs.append(torch.tensor(prompt + ep.tokens, dtype=torch.long))
             prompt_masks.append(torch.tensor([True] * p + [False] * n))

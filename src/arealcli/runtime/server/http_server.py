@@ -34,6 +34,7 @@ from arealcli.runtime.server.openai_api import (
     Choice,
     OpenAIRequest,
     completion_response,
+    finish_of,
     models_response,
     parse_chat_request,
     parse_completion_request,
@@ -175,8 +176,10 @@ class GenerationService:
             else:
                 return 503, {"error": {"message": "requests kept being aborted (weight updates); try again"}}
             for j in range(len(seqs)):
+                reason, stopped_by, shown = finish_of(out[j], finish[j], req.stop_texts, req.stop_ids)
                 texts = r.token_texts(out[j]) or [""] * len(out[j])
-                choices.append(Choice(ids, out[j], lps[j], finish[j], r.decode(out[j]), texts, versions[j]))
+                text = r.decode(out[j][:shown])
+                choices.append(Choice(ids, out[j], lps[j], reason, stopped_by, text, texts, versions[j]))
         return 200, completion_response(req, choices, self.served_model_name, sum(len(p) for p in prompts))
 
     async def completions(self, body: Any) -> tuple[int, Any]:

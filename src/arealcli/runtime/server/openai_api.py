@@ -8,6 +8,8 @@ be pointed at a policy while it trains.
     GET  /v1/models
 
 Chat prompts are rendered with the served tokenizer's chat template (its generation prompt appended).
+As with OpenAI, a matched `stop` text is not part of the returned text; `stop_reason` (vLLM's field)
+says which stop text or stop token id ended a choice (None: the end-of-sequence token).
 Every choice also carries `token_ids` (the generated tokens) and `prompt_token_ids`, and a response its
 policy version that generated it (the first and the last when a weight update
 interrupted it: aborted samples are continued on the new weights, never cut) in `weight_version` and
@@ -62,6 +64,8 @@ class OpenAIRequest:
     sampling: Sampling
     logprobs: bool
     chat: bool
+    stop_texts: dict[int, str]  # token id -> the `stop` text it is
+    stop_ids: tuple[int, ...]  # `stop_token_ids`
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -98,20 +102,32 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
     return body
 
 
-def _stop_ids(body: dict, single_token) -> tuple[int, ...]:
-    """`stop` strings (each must be one token: generation stops on token ids) and `stop_token_ids`."""
+def _stops(body: dict, single_token) -> tuple[dict[int, str], tuple[int, ...]]:
+    """`stop` texts (each must be one token: generation stops on token ids) by token id, and
+    `stop_token_ids`."""
     stop = body.get("stop")
     texts = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(texts, list) or not all(isinstance(s, str) and s for s in texts) or len(texts) > 4:
         raise ProtocolError(f"stop must be a text or a list of up to 4 texts (got {stop!r})")
-    ids = [single_token(s) for s in texts]
     extra = body.get("stop_token_ids") or []
     if not isinstance(extra, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
         raise ProtocolError(f"stop_token_ids must be a list of integers (got {extra!r})")
-    return tuple(sorted(set(ids) | set(extra)))
+    return {single_token(s): s for s in texts}, tuple(extra)
 
 
-def _sampling(body: dict, max_tokens: int | None, stop: tuple[int, ...]) -> Sampling:
+def finish_of(ids: list[int], finished: str, stop_texts: dict[int, str], stop_ids) -> tuple[str, Any, int]:
+    """(finish_reason, stop_reason, tokens of the text): as OpenAI, a matched `stop` text is not part of
+    the returned text (its token stays in `token_ids`: the model generated it); `stop_reason` (vLLM's
+    field) is the matched stop text or stop token id, None at the end-of-sequence token or a length cut."""
+    if finished != "stop" or not ids:
+        return "length", None, len(ids)
+    if ids[-1] in stop_texts:
+        return "stop", stop_texts[ids[-1]], len(ids) - 1
+    return "stop", ids[-1] if ids[-1] in stop_ids else None, len(ids)
+
+
+def _sampling(body: dict, max_tokens: int | None, stops: tuple[dict[int, str], tuple[int, ...]]) -> Sampling:
+    stop = tuple(sorted(set(stops[0]) | set(stops[1])))
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_k = _integer(body, "top_k", -1, -1)
     if top_k == 0:
@@ -156,9 +172,8 @@ def parse_completion_request(body: Any, single_token) -> OpenAIRequest:
             "logprobs: 0 returns the log-prob of every generated token"
         )
     max_tokens = _integer(body, "max_tokens", 16, 0)  # OpenAI's default for completions
-    return OpenAIRequest(
-        prompts, _sampling(body, max_tokens, _stop_ids(body, single_token)), logprobs is not None, False
-    )
+    stops = _stops(body, single_token)
+    return OpenAIRequest(prompts, _sampling(body, max_tokens, stops), logprobs is not None, False, *stops)
 
 
 def _message_text(message: Any, i: int) -> dict[str, str]:
@@ -194,9 +209,8 @@ def parse_chat_request(body: Any, single_token, render) -> OpenAIRequest:
         raise ProtocolError(f"logprobs must be true or false (got {logprobs!r})")
     max_tokens = _integer(body, "max_completion_tokens", None, 0)
     max_tokens = _integer(body, "max_tokens", None, 0) if max_tokens is None else max_tokens
-    return OpenAIRequest(
-        [prompt], _sampling(body, max_tokens, _stop_ids(body, single_token)), bool(logprobs), True
-    )
+    stops = _stops(body, single_token)
+    return OpenAIRequest([prompt], _sampling(body, max_tokens, stops), bool(logprobs), True, *stops)
 
 
 @dataclass
@@ -205,6 +219,7 @@ class Choice:
     output_ids: list[int]
     logprobs: list[float]
     finish: str  # stop | length
+    stop_reason: Any  # the matched stop text or stop token id; None otherwise
     text: str
     token_texts: list[str]
     versions: list[str]  # weight versions that generated it (first ... last)
@@ -219,6 +234,7 @@ def completion_response(
         item: dict[str, Any] = {
             "index": i,
             "finish_reason": c.finish,
+            "stop_reason": c.stop_reason,
             "token_ids": c.output_ids,
             "prompt_token_ids": c.prompt_ids,
             # the policy versions that generated it: they differ when a weight update interrupted it

@@ -47,3 +47,12 @@ class ToolUseArgs(StrictModel):
                 "the python tool runs code the model writes: enable it explicitly with allow_python: true"
             )
         return self
+
+
+class AgentArgs(StrictModel):
+    """An agent written against the OpenAI client interface (`arealcli.runtime.agent.AgentWorkflow`)."""
+
+    max_total_tokens: PositiveInt = Field(
+        64, le=1 << 20, description="Token budget of an episode after its prompt (model and inserted tokens)."
+    )
+    max_requests: PositiveInt = Field(8, le=1024, description="Requests to the model per episode.")

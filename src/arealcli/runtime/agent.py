@@ -1,0 +1,352 @@
+"""Workflows written against OpenAI's client interface.
+
+An agent is ordinary code that talks to a model through `client.completions.create(...)` or
+`client.chat.completions.create(...)`, as with the `openai` package — the same code runs against
+`areal serve`'s `/v1` endpoints. A workflow subclasses `AgentWorkflow` and writes one episode:
+
+    class CalculatorAgent(AgentWorkflow):
+        def episode(self, client, prompt: str) -> None:
+            call = client.completions.create(model="policy", prompt=prompt, max_tokens=12, stop="]")
+            ...
+
+During training the client is in-process: every episode of a batch runs in a thread of its own, and
+their requests are gathered until every running episode waits on one (no timing involved), then sent
+as one batched generate call on the engine (in episode order: deterministic). Each request is recorded
+with its token ids and log-probs, and the episode becomes one trained sequence: the last request's
+prompt and completion, with `loss_mask` True on every token a request generated. So each request must
+extend the previous one (its prompt starts with the previous prompt and completion); what an agent
+inserts in between (tool output, a user turn) never trains. The first request's prompt is the episode's
+prompt: the dataset's prompt text, or what the agent makes of it (a chat agent puts it in a user
+message, rendered with the chat template).
+
+The sampling settings are the recipe's (`generation`): the recorded log-probs must be the policy's,
+so a request asking for another temperature, top_p or top_k is refused; `max_tokens` is capped by the
+recipe's `max_new_tokens` and the episode's `max_total_tokens`; `stop` texts must be single tokens and,
+as with OpenAI, are not part of the returned text (`stop_reason` names the one matched; `token_ids` keep
+every generated token).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from arealcli.errors import UserError
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.server.openai_api import finish_of
+from arealcli.runtime.workflows import Episode
+from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+from arealcli.schema.components.workflows import AgentArgs
+
+# --------------------------------------------------------------------------- response objects
+
+
+@dataclass
+class Logprobs:
+    tokens: list[str]
+    token_logprobs: list[float]
+    content: list[dict[str, Any]] = field(default_factory=list)  # chat: [{token, logprob}]
+
+
+@dataclass
+class Message:
+    content: str
+    role: str = "assistant"
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    finish_reason: str  # stop | length
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    logprobs: Logprobs | None
+    message: Message | None = None
+    stop_reason: Any = None  # the matched stop text (not part of `text`) or stop token id
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass
+class Completion:
+    choices: list[Choice]
+    usage: Usage
+    object: str = "text_completion"
+
+
+# --------------------------------------------------------------------------- batching
+
+
+class _Batcher:
+    """Gathers the requests of concurrently running episodes into batched generate calls."""
+
+    def __init__(self, engine, tokenizer, running: int):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.cv = threading.Condition()
+        self.pending: list[tuple[int, list[int], GenerationHyperparameters, dict]] = []
+        self.running = running
+
+    def request(self, episode: int, prompt: list[int], g: GenerationHyperparameters) -> tuple:
+        slot: dict = {}
+        with self.cv:
+            self.pending.append((episode, prompt, g, slot))
+            self.cv.notify_all()
+            while "out" not in slot:
+                self.cv.wait()
+        if isinstance(slot["out"], BaseException):
+            raise slot["out"]
+        return slot["out"]
+
+    def finished(self) -> None:
+        with self.cv:
+            self.running -= 1
+            self.cv.notify_all()
+
+    def serve(self) -> None:
+        """Run in the calling thread until every episode has finished."""
+        while True:
+            with self.cv:
+                while self.running > 0 and len(self.pending) < self.running:
+                    self.cv.wait()
+                if self.running == 0 and not self.pending:
+                    return
+                batch, self.pending = sorted(self.pending, key=lambda r: r[0]), []
+            groups: dict[str, list] = {}
+            for item in batch:  # one generate call per distinct setting (usually one)
+                groups.setdefault(item[2].model_dump_json(), []).append(item)
+            for items in groups.values():
+                try:
+                    data = SequenceSample.from_lists(
+                        list(range(len(items))), {"packed_prompts": [torch.tensor(i[1]) for i in items]}
+                    )
+                    out = self.engine.generate(data, MicroBatchSpec(), self.tokenizer, items[0][2])
+                    results: list = [
+                        (out.output_ids[j], out.logprobs[j], out.no_eos[j], _versions(out, j))
+                        for j in range(len(items))
+                    ]
+                except BaseException as e:  # handed to every waiting episode, and raised there
+                    results = [e] * len(items)
+                with self.cv:
+                    for item, result in zip(items, results, strict=True):
+                        item[3]["out"] = result
+                    self.cv.notify_all()
+
+
+def _versions(out, j: int) -> tuple[int | None, int | None]:
+    first = out.versions[j] if out.versions is not None else None
+    last = out.last_versions[j] if out.last_versions is not None else first
+    return first, last
+
+
+# --------------------------------------------------------------------------- the client
+
+
+class _Completions:
+    def __init__(self, client: AgentClient, chat: bool):
+        self.client, self.chat = client, chat
+
+    def create(self, **kwargs: Any) -> Completion:
+        return self.client._create(self.chat, kwargs)
+
+
+class _Chat:
+    def __init__(self, client: AgentClient):
+        self.completions = _Completions(client, chat=True)
+
+
+@dataclass
+class Request:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]
+    no_eos: bool
+    versions: tuple[int | None, int | None]
+
+
+_SAMPLING = {"temperature", "top_p", "top_k"}
+_ACCEPTED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "logprobs"}
+
+
+class AgentClient:
+    """The in-process client one episode talks through (OpenAI's `completions` and `chat.completions`)."""
+
+    def __init__(self, batcher: _Batcher, index: int, prompt_ids: list[int], gconfig, args: AgentArgs):
+        self._batcher, self._index, self._gconfig, self._args = batcher, index, gconfig, args
+        self._tokenizer = batcher.tokenizer
+        self.prompt_ids = prompt_ids
+        self.requests: list[Request] = []
+        self.completions = _Completions(self, chat=False)
+        self.chat = _Chat(self)
+
+    def _sampling_check(self, kwargs: dict) -> None:
+        g = self._gconfig
+        recipe = {
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "top_p": g.top_p,
+            "top_k": g.top_k if g.top_k > 0 else -1,
+        }
+        for key in _SAMPLING & set(kwargs):
+            asked = kwargs[key]
+            same = asked is None or (key == "top_k" and asked in (-1, 0) and recipe[key] == -1)
+            same = same or asked == recipe[key] or (key == "temperature" and g.greedy and asked == 0)
+            if not same:
+                raise UserError(
+                    f"an agent asked for {key}={asked!r}; while training, sampling follows the recipe's "
+                    f"generation ({key}={recipe[key]!r}) so that the recorded log-probs are the policy's"
+                )
+        unknown = sorted(set(kwargs) - _SAMPLING - _ACCEPTED)
+        if unknown:
+            raise UserError(f"the in-process agent client does not support {unknown}")
+        if kwargs.get("n", 1) != 1:
+            raise UserError("an episode is one trajectory: its requests have n = 1")
+
+    def _stop_texts(self, stop: Any) -> dict[int, str]:
+        texts = [stop] if isinstance(stop, str) else list(stop or [])
+        ids = {}
+        for text in texts:
+            t = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(t) != 1:
+                raise UserError(f"stop {text!r} is {len(t)} tokens; generation stops on single tokens")
+            ids[t[0]] = text
+        return ids
+
+    def _render(self, chat: bool, kwargs: dict) -> list[int]:
+        tok = self._tokenizer
+        if chat:
+            if not getattr(tok, "chat_template", None):
+                raise UserError("chat.completions needs a tokenizer with a chat template")
+            text = tok.apply_chat_template(kwargs["messages"], tokenize=False, add_generation_prompt=True)
+        else:
+            text = kwargs["prompt"]
+            if isinstance(text, list):
+                return list(text)
+        # Text that continues an earlier request keeps that request's tokens (the model's own: re-encoding
+        # generated text may split it differently); only the new text is encoded.
+        known = [r.prompt_ids + r.output_ids for r in reversed(self.requests)] + [self.prompt_ids]
+        for ids in known:
+            before = tok.decode(ids)
+            if text.startswith(before):
+                rest = text[len(before) :]
+                return ids + (tok(rest, add_special_tokens=False)["input_ids"] if rest else [])
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def _create(self, chat: bool, kwargs: dict) -> Completion:
+        self._sampling_check(kwargs)
+        a, g = self._args, self._gconfig
+        prompt = self._render(chat, kwargs)
+        if len(self.requests) >= a.max_requests:
+            raise UserError(f"an episode made more than max_requests={a.max_requests} requests")
+        used = len(prompt) - len(self.prompt_ids)
+        asked = kwargs.get("max_completion_tokens") or kwargs.get("max_tokens") or g.max_new_tokens
+        budget = min(asked, g.max_new_tokens, a.max_total_tokens - used)
+        stop_texts = self._stop_texts(kwargs.get("stop"))
+        if budget > 0:
+            stop = sorted(set(g.stop_token_ids) | set(stop_texts))
+            step = g.model_copy(
+                update={"n": 1, "max_new_tokens": budget, "min_new_tokens": 0, "stop_token_ids": stop}
+            )
+            ids, lps, no_eos, versions = self._batcher.request(self._index, prompt, step)
+            ids, lps = list(ids), list(lps)
+        else:  # the episode's token budget is spent
+            ids, lps, no_eos, versions = [], [], True, (None, None)
+        self.requests.append(Request(prompt, ids, lps, no_eos, versions))
+        tok = self._tokenizer
+        reason, stopped_by, shown = finish_of(
+            ids, "length" if no_eos else "stop", stop_texts, g.stop_token_ids
+        )
+        text = tok.decode(ids[:shown], skip_special_tokens=True)
+        pieces = [tok.decode([t]) for t in ids]
+        logprobs = None
+        if kwargs.get("logprobs") is not None and kwargs.get("logprobs") is not False:
+            logprobs = Logprobs(
+                pieces, lps, [{"token": p, "logprob": lp} for p, lp in zip(pieces, lps, strict=True)]
+            )
+        choice = Choice(0, text, reason, ids, prompt, logprobs, Message(text) if chat else None, stopped_by)
+        usage = Usage(len(prompt), len(ids), len(prompt) + len(ids))
+        return Completion([choice], usage, "chat.completion" if chat else "text_completion")
+
+    def episode(self) -> Episode:
+        """The recorded requests as one trained sequence (after the episode's prompt)."""
+        if not self.requests:
+            raise UserError("an agent's episode made no request to the model")
+        first = self.requests[0].prompt_ids  # the episode's prompt: the dataset's, or what the agent
+        base = len(first)  # made of it (a chat agent renders the question with the chat template)
+        for k, r in enumerate(self.requests[1:], start=1):
+            before = self.requests[k - 1].prompt_ids + self.requests[k - 1].output_ids
+            if r.prompt_ids[: len(before)] != before:
+                raise UserError(
+                    "an agent's requests must each extend the previous request's prompt and completion "
+                    f"(one trained sequence per episode); request {k + 1} of {len(self.requests)} does not"
+                )
+        last = self.requests[-1]
+        tokens = last.prompt_ids + last.output_ids
+        mask = [False] * len(tokens)
+        logprobs = [0.0] * len(tokens)
+        for r in self.requests:
+            end = len(r.prompt_ids) + len(r.output_ids)
+            mask[len(r.prompt_ids) : end] = [True] * len(r.output_ids)
+            logprobs[len(r.prompt_ids) : end] = r.logprobs
+        versions = [v for r in self.requests for v in r.versions if v is not None]
+        return Episode(
+            prompt=None if first == self.prompt_ids else first,
+            tokens=tokens[base:],
+            mask=mask[base:],
+            logprobs=logprobs[base:],
+            no_eos=last.no_eos,
+            turns=len(self.requests),
+            tool_calls=len(self.requests) - 1,
+            final=last.output_ids,
+            versions=versions,
+        )
+
+
+class AgentWorkflow:
+    """Base of workflows written against the OpenAI client interface: implement `episode(client, prompt)`.
+
+    `Args` may extend `AgentArgs` (max_total_tokens, max_requests)."""
+
+    Args = AgentArgs
+
+    def __init__(self, args: AgentArgs):
+        self.args = args
+
+    def episode(self, client: AgentClient, prompt: str) -> None:
+        raise NotImplementedError
+
+    def run(
+        self, engine, tokenizer, prompts: list[list[int]], gconfig: GenerationHyperparameters
+    ) -> list[Episode]:
+        batcher = _Batcher(engine, tokenizer, len(prompts))
+        clients = [AgentClient(batcher, i, p, gconfig, self.args) for i, p in enumerate(prompts)]
+        errors: list[BaseException | None] = [None] * len(prompts)
+
+        def play(i: int) -> None:
+            try:
+                self.episode(clients[i], tokenizer.decode(prompts[i]))
+            except BaseException as e:  # raised in the trainer below, with the first episode's error
+                errors[i] = e
+            finally:
+                batcher.finished()
+
+        threads = [
+            threading.Thread(target=play, args=(i,), name=f"agent-{i}", daemon=True)
+            for i in range(len(prompts))
+        ]
+        for t in threads:
+            t.start()
+        batcher.serve()
+        for t in threads:
+            t.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        return [c.episode() for c in clients]
