@@ -522,7 +522,7 @@ def test_openai_client_chat_and_refusals(openai_server, char_tok):
     for kwargs, said in [
         ({"stream": True}, "stream"),
         ({"stop": "ab"}, "single tokens"),
-        ({"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}, "tool calls"),
+        ({"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}, "Hermes-style"),
         ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ]:

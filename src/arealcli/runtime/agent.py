@@ -24,6 +24,11 @@ so a request asking for another temperature, top_p or top_k is refused; `max_tok
 recipe's `max_new_tokens` and the episode's `max_total_tokens`; `stop` texts must be single tokens and,
 as with OpenAI, are not part of the returned text (`stop_reason` names the one matched; `token_ids` keep
 every generated token).
+
+Function calling works as on `areal serve`: `tools` are rendered by the chat template, Hermes-style
+`<tool_call>{...}</tool_call>` calls come back as `message.tool_calls`, and the agent appends the
+message and `{"role": "tool", ...}` results as usual. The re-rendered conversation must reproduce what
+the model wrote (one trained sequence): a model that writes its calls as its template renders them does.
 """
 
 from __future__ import annotations
@@ -36,7 +41,13 @@ import torch
 
 from arealcli.errors import UserError
 from arealcli.runtime.data import SequenceSample
-from arealcli.runtime.server.openai_api import finish_of
+from arealcli.runtime.server.openai_api import (
+    ProtocolError,
+    chat_message,
+    finish_of,
+    parse_tool_calls,
+    parse_tools,
+)
 from arealcli.runtime.workflows import Episode
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.workflows import AgentArgs
@@ -52,9 +63,23 @@ class Logprobs:
 
 
 @dataclass
+class Function:
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+@dataclass
+class ToolCall:
+    id: str
+    function: Function
+    type: str = "function"
+
+
+@dataclass
 class Message:
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass
@@ -174,6 +199,7 @@ class Request:
 
 _SAMPLING = {"temperature", "top_p", "top_k"}
 _ACCEPTED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stop", "n", "logprobs"}
+_TOOLS = {"tools", "tool_choice", "parallel_tool_calls"}
 
 
 class AgentClient:
@@ -203,7 +229,7 @@ class AgentClient:
                     f"an agent asked for {key}={asked!r}; while training, sampling follows the recipe's "
                     f"generation ({key}={recipe[key]!r}) so that the recorded log-probs are the policy's"
                 )
-        unknown = sorted(set(kwargs) - _SAMPLING - _ACCEPTED)
+        unknown = sorted(set(kwargs) - _SAMPLING - _ACCEPTED - _TOOLS)
         if unknown:
             raise UserError(f"the in-process agent client does not support {unknown}")
         if kwargs.get("n", 1) != 1:
@@ -219,12 +245,26 @@ class AgentClient:
             ids[t[0]] = text
         return ids
 
-    def _render(self, chat: bool, kwargs: dict) -> list[int]:
+    def _tools(self, chat: bool, kwargs: dict) -> tuple[list[dict] | None, bool]:
+        if not chat:
+            if set(kwargs) & _TOOLS:
+                raise UserError("tools are offered through chat.completions")
+            return None, True
+        try:
+            return parse_tools(kwargs, getattr(self._tokenizer, "chat_template", None))
+        except ProtocolError as e:
+            raise UserError(f"an agent's request: {e}") from None
+
+    def _render(self, chat: bool, kwargs: dict, tools: list[dict] | None) -> list[int]:
         tok = self._tokenizer
         if chat:
             if not getattr(tok, "chat_template", None):
                 raise UserError("chat.completions needs a tokenizer with a chat template")
-            text = tok.apply_chat_template(kwargs["messages"], tokenize=False, add_generation_prompt=True)
+            try:
+                messages = [chat_message(m, i) for i, m in enumerate(kwargs.get("messages") or [])]
+            except ProtocolError as e:
+                raise UserError(f"an agent's request: {e}") from None
+            text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         else:
             text = kwargs["prompt"]
             if isinstance(text, list):
@@ -242,7 +282,8 @@ class AgentClient:
     def _create(self, chat: bool, kwargs: dict) -> Completion:
         self._sampling_check(kwargs)
         a, g = self._args, self._gconfig
-        prompt = self._render(chat, kwargs)
+        tools, parallel = self._tools(chat, kwargs)
+        prompt = self._render(chat, kwargs, tools)
         if len(self.requests) >= a.max_requests:
             raise UserError(f"an episode made more than max_requests={a.max_requests} requests")
         used = len(prompt) - len(self.prompt_ids)
@@ -270,7 +311,20 @@ class AgentClient:
             logprobs = Logprobs(
                 pieces, lps, [{"token": p, "logprob": lp} for p, lp in zip(pieces, lps, strict=True)]
             )
-        choice = Choice(0, text, reason, ids, prompt, logprobs, Message(text) if chat else None, stopped_by)
+        message = Message(text) if chat else None
+        if tools:
+            names = [f"call_{len(self.requests) - 1}_{k}" for k in range(text.count("<tool_call>"))]
+            content, calls = parse_tool_calls(text, names, parallel)
+            if calls:
+                message = Message(
+                    content,
+                    tool_calls=[
+                        ToolCall(c["id"], Function(c["function"]["name"], c["function"]["arguments"]))
+                        for c in calls
+                    ],
+                )
+                reason = "tool_calls" if reason == "stop" else reason
+        choice = Choice(0, text, reason, ids, prompt, logprobs, message, stopped_by)
         usage = Usage(len(prompt), len(ids), len(prompt) + len(ids))
         return Completion([choice], usage, "chat.completion" if chat else "text_completion")
 

@@ -127,13 +127,18 @@ class GenerationService:
             )
         return ids[0]
 
-    def _render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         tok = self.runner.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ProtocolError(
                 "the served tokenizer has no chat template: use /v1/completions with a rendered prompt"
             )
-        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            rendered = tok.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as e:  # the template's own checks (roles, order) raise
+            raise ProtocolError(f"the chat template cannot render these messages: {e}") from None
         return self._prompt_ids(tok.encode(rendered, add_special_tokens=False))
 
     async def _openai(self, req: OpenAIRequest) -> tuple[int, Any]:
@@ -186,7 +191,9 @@ class GenerationService:
         return await self._openai(parse_completion_request(body, self._single_token))
 
     async def chat_completions(self, body: Any) -> tuple[int, Any]:
-        return await self._openai(parse_chat_request(body, self._single_token, self._render_chat))
+        tok = self.runner.tokenizer
+        template = getattr(tok, "chat_template", None) if tok is not None else None
+        return await self._openai(parse_chat_request(body, self._single_token, self._render_chat, template))
 
     async def models(self, body: Any) -> tuple[int, Any]:
         return 200, models_response(self.served_model_name)

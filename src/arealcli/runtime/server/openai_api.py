@@ -3,11 +3,17 @@ be pointed at a policy while it trains.
 
     POST /v1/completions        {prompt: str | [int] | [str] | [[int]], max_tokens=16, temperature=1,
                                  top_p, n, stop, logprobs (0), ...}
-    POST /v1/chat/completions   {messages: [{role, content}], max_tokens | max_completion_tokens,
-                                 temperature, top_p, n, stop, logprobs (bool), ...}
+    POST /v1/chat/completions   {messages: [{role, content, tool_calls?, tool_call_id?}], tools?,
+                                 tool_choice?, max_tokens | max_completion_tokens, temperature, top_p,
+                                 n, stop, logprobs (bool), ...}
     GET  /v1/models
 
 Chat prompts are rendered with the served tokenizer's chat template (its generation prompt appended).
+Function calling: `tools` are rendered by the chat template; calls the model writes in the Hermes format
+that Qwen2.5/Qwen3 and Hermes templates teach, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+come back as `message.tool_calls` (arguments as a JSON text) with finish_reason "tool_calls", and the
+text before the first call as `content`. Assistant messages with `tool_calls` and `tool` messages are
+passed to the template with the arguments as objects (as Hugging Face templates expect).
 As with OpenAI, a matched `stop` text is not part of the returned text; `stop_reason` (vLLM's field)
 says which stop text or stop token id ended a choice (None: the end-of-sequence token).
 Every choice also carries `token_ids` (the generated tokens) and `prompt_token_ids`, and a response its
@@ -15,12 +21,15 @@ policy version that generated it (the first and the last when a weight update
 interrupted it: aborted samples are continued on the new weights, never cut) in `weight_version` and
 `weight_version_last`. Beyond OpenAI's fields,
 vLLM's `top_k`, `min_tokens` and `stop_token_ids` are accepted. What the embedded server cannot do
-(streaming, tool-call parsing, penalties, top alternatives of log-probs, multi-token stop strings) is
+(streaming, forced tool calls, penalties, top alternatives of log-probs, multi-token stop strings) is
 refused with a message saying so, never silently ignored.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,21 +50,30 @@ _NEUTRAL: dict[str, tuple] = {
     "seed": (),
     "tools": ([],),
     "tool_choice": ("none",),
+    "parallel_tool_calls": (False, True),
     "functions": ([],),
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
-    "parallel_tool_calls": (False, True),
     "stream_options": (),
 }
 _WHY = {
-    "tools": "tool calls are written and parsed by the agent (e.g. the tool_use workflow), not the server",
+    "tools": "tools are offered through /v1/chat/completions (`tools`, with `tool_choice` auto or none)",
     "seed": "the embedded server has no per-request seed",
     "stream": "the embedded server answers whole responses only",
 }
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "return_token_ids", "skip_special_tokens"}
 _COMMON = {"max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "min_tokens"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass
@@ -66,6 +84,8 @@ class OpenAIRequest:
     chat: bool
     stop_texts: dict[int, str]  # token id -> the `stop` text it is
     stop_ids: tuple[int, ...]  # `stop_token_ids`
+    tools: list[dict] | None = None  # offered tools: parse the model's calls
+    parallel_tool_calls: bool = True
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -91,6 +111,8 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
         raise ProtocolError("the body must be a JSON object")
     for key, neutral in _NEUTRAL.items():
         value = body.get(key)
+        if key in allowed:
+            continue
         if value is not None and value not in neutral:
             why = _WHY.get(key.removesuffix("_choice").replace("functions", "tools"), "")
             raise ProtocolError(
@@ -176,7 +198,37 @@ def parse_completion_request(body: Any, single_token) -> OpenAIRequest:
     return OpenAIRequest(prompts, _sampling(body, max_tokens, stops), logprobs is not None, False, *stops)
 
 
-def _message_text(message: Any, i: int) -> dict[str, str]:
+def _as_dict(obj: Any) -> Any:
+    """A message or tool call given as an object (the client's own response objects) as a dict."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    dump = getattr(obj, "model_dump", None)  # the openai package's pydantic objects
+    return dump(exclude_none=True) if callable(dump) else obj
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    """An OpenAI tool call ({id, type: function, function: {name, arguments: JSON text}}) as templates
+    take it: arguments as an object."""
+    call = _as_dict(call)
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ProtocolError(f"{where} must be {{type: function, function: {{name, arguments}}}}")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ProtocolError(f"{where}.function.arguments is not JSON (got {args!r})") from None
+    out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def chat_message(message: Any, i: int) -> dict[str, Any]:
+    """One OpenAI message as chat templates take it: text content (text parts joined), an assistant's
+    `tool_calls` with their arguments as objects, a tool message's `tool_call_id` and `name`."""
+    message = _as_dict(message)
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ProtocolError(f"messages[{i}] must be an object with a role and a content")
     content = message.get("content")
@@ -187,18 +239,98 @@ def _message_text(message: Any, i: int) -> dict[str, str]:
         ):
             raise ProtocolError(f"messages[{i}].content: only text parts are supported")
         content = "".join(p["text"] for p in content)
+    calls = message.get("tool_calls") or []
+    if content is None and calls:
+        content = ""
     if not isinstance(content, str):
         raise ProtocolError(f"messages[{i}].content must be a text (got {type(content).__name__})")
-    return {"role": message["role"], "content": content}
+    out: dict[str, Any] = {"role": message["role"], "content": content}
+    if calls:
+        if message["role"] != "assistant" or not isinstance(calls, list):
+            raise ProtocolError(
+                f"messages[{i}].tool_calls: only an assistant message has a list of tool calls"
+            )
+        out["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{k}]") for k, c in enumerate(calls)]
+    for key in ("tool_call_id", "name"):
+        if isinstance(message.get(key), str):
+            out[key] = message[key]
+    return out
 
 
-def parse_chat_request(body: Any, single_token, render) -> OpenAIRequest:
-    """`render(messages) -> token ids` applies the served tokenizer's chat template."""
+def parse_tools(body: dict, template: str | None) -> tuple[list[dict] | None, bool]:
+    """The offered tools when the model may call them (tool_choice auto), else None; and whether
+    several calls may come back (parallel_tool_calls)."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ProtocolError(f"parallel_tool_calls must be true or false (got {parallel!r})")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise ProtocolError(f"tool_choice={choice!r} needs tools")
+        return None, parallel is not False
+    if not isinstance(tools, list) or not all(
+        isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    ):
+        raise ProtocolError(
+            "tools must be a list of {type: function, function: {name, description, parameters}}"
+        )
+    if choice == "none":
+        return None, parallel is not False  # as vLLM: the tools stay out of the prompt
+    if choice not in (None, "auto"):
+        raise ProtocolError(
+            f"tool_choice={choice!r} is not supported: forcing a call needs constrained decoding; "
+            "use auto (the model decides) or none"
+        )
+    if TOOL_OPEN not in str(template or ""):
+        raise ProtocolError(
+            "tools need a chat template that writes Hermes-style calls "
+            f"({TOOL_OPEN}{{...}}{TOOL_CLOSE}, as Qwen2.5, Qwen3 and Hermes models do); the served one does not"
+        )
+    return tools, parallel is not False
+
+
+_CALL = re.compile(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CLOSE), re.S)
+
+
+def parse_tool_calls(text: str, ids: list[str], parallel: bool = True) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a generated text: Hermes-style `<tool_call>{"name", "arguments"}</tool_call>`
+    blocks become OpenAI tool calls (arguments as a JSON text; `ids` names them), the text before the
+    first call the content (None when blank). A block that is not such JSON leaves the whole text as
+    content with no calls (as vLLM's hermes parser does)."""
+    calls = []
+    for k, m in enumerate(_CALL.finditer(text)):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return text, []
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append(
+            {
+                "id": ids[k] if k < len(ids) else f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
+            }
+        )
+    if not calls:
+        return text, []
+    content = text[: text.index(TOOL_OPEN)]
+    return (content if content.strip() else None), calls if parallel else calls[:1]
+
+
+def parse_chat_request(body: Any, single_token, render, template: str | None) -> OpenAIRequest:
+    """`render(messages, tools) -> token ids` applies the served tokenizer's chat template (`template`)."""
     body = _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("messages must be a non-empty list of {role, content}")
-    prompt = render([_message_text(m, i) for i, m in enumerate(messages)])
+    tools, parallel = parse_tools(body, template)
+    prompt = render([chat_message(m, i) for i, m in enumerate(messages)], tools)
     top = _integer(body, "top_logprobs", None, 0)
     if top:
         raise ProtocolError(
@@ -210,7 +342,9 @@ def parse_chat_request(body: Any, single_token, render) -> OpenAIRequest:
     max_tokens = _integer(body, "max_completion_tokens", None, 0)
     max_tokens = _integer(body, "max_tokens", None, 0) if max_tokens is None else max_tokens
     stops = _stops(body, single_token)
-    return OpenAIRequest([prompt], _sampling(body, max_tokens, stops), bool(logprobs), True, *stops)
+    return OpenAIRequest(
+        [prompt], _sampling(body, max_tokens, stops), bool(logprobs), True, *stops, tools, parallel
+    )
 
 
 @dataclass
@@ -243,6 +377,12 @@ def completion_response(
         }
         if req.chat:
             item["message"] = {"role": "assistant", "content": c.text}
+            if req.tools:
+                ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in range(c.text.count(TOOL_OPEN))]
+                content, calls = parse_tool_calls(c.text, ids, req.parallel_tool_calls)
+                if calls:
+                    item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    item["finish_reason"] = "tool_calls" if c.finish == "stop" else c.finish
             item["logprobs"] = (
                 {
                     "content": [

@@ -1,0 +1,294 @@
+"""OpenAI function calling: `tools` rendered by the chat template, Hermes-style `<tool_call>` JSON the
+model writes parsed into `message.tool_calls`, on `areal serve` (the `openai` package over HTTP) and
+in process (the same agent code generating training episodes)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from arealcli.runtime.backends.hf import HFBackend
+from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
+from arealcli.runtime.interfaces.sft import SFTInterface
+from arealcli.runtime.model import Model
+from arealcli.runtime.server.openai_api import ProtocolError, chat_message, parse_tool_calls, parse_tools
+from arealcli.runtime.tools import calculator
+from arealcli.schema.components.backends import HFBackendArgs
+from arealcli.schema.components.engine import MicroBatchSpec
+from arealcli.schema.components.interfaces import PPOActorArgs, SFTArgs
+from tests.conftest import tiny_module
+from tests.test_agentic import PAIRS, SPEC, hf_actor, segments
+
+# A compact chat template in the Hermes style of Qwen2.5's: the tools' names up front, calls written as
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> inside the assistant turn.
+TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}a: {{ m.content or '' }}"
+    '{% for c in m.tool_calls or [] %}<tool_call>{"name": "{{ c.function.name }}", "arguments": '
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}{{ eos_token }}{{ '\\n' }}"
+    "{% elif m.role == 'tool' %}r: {{ m.content }}{{ '\\n' }}"
+    "{% else %}u: {{ m.content }}{{ '\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}a: {% endif %}"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calc",
+            "description": "evaluate an arithmetic expression",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+        },
+    }
+]
+
+
+def call_text(a: int, b: int) -> str:
+    return f'<tool_call>{{"name": "calc", "arguments": {{"x": "{a}*{b}"}}}}</tool_call>'
+
+
+def conversation(a: int, b: int) -> list[tuple[str, bool]]:
+    """A worked conversation as (text, the model's own) pieces: call, tool result, answer."""
+    return [
+        (f"tools: calc\nu: {a}*{b}\na: ", False),
+        (call_text(a, b) + "<eos>", True),
+        (f"\nr: {a * b}\na: ", False),
+        (f"{a * b}<eos>", True),
+    ]
+
+
+def calc_agent(client, question: str, **sampling):
+    """Plain OpenAI function-calling code: ask with tools; run each call; ask again until an answer."""
+    messages: list = [{"role": "user", "content": question}]
+    replies = []
+    for _ in range(3):
+        reply = client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, max_tokens=80, **sampling
+        )
+        replies.append(reply)
+        message = reply.choices[0].message
+        messages.append(message)
+        if not message.tool_calls:
+            return message.content, replies
+        for call in message.tool_calls:
+            x = json.loads(call.function.arguments)["x"]
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(x)})
+    return None, replies
+
+
+@pytest.fixture(scope="module")
+def tool_tok(char_tok):
+    tok = copy.deepcopy(char_tok)
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def caller(tmp_path_factory, tool_tok):
+    """A tiny model fitted (SFT on its own turns) to eight conversations that call `calc`."""
+    ids, prompt_mask, loss_mask = [], [], []
+    for a, b in PAIRS:
+        pieces = conversation(a, b)
+        rendered = tool_tok.apply_chat_template(
+            [
+                {"role": "user", "content": f"{a}*{b}"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": "calc", "arguments": {"x": f"{a}*{b}"}}}
+                    ],
+                },
+                {"role": "tool", "content": str(a * b)},
+                {"role": "assistant", "content": str(a * b)},
+            ],
+            tools=TOOLS,
+            tokenize=False,
+        )
+        assert rendered == "".join(t for t, _ in pieces) + "\n"  # the template writes what the model learns
+        seq, pm, lm = [], [], []
+        for k, (text, own) in enumerate(pieces):
+            t = tool_tok(text, add_special_tokens=False)["input_ids"]
+            seq += t
+            pm += [k == 0] * len(t)
+            lm += [own] * len(t)
+        ids.append(torch.tensor(seq))
+        prompt_mask.append(torch.tensor(pm))
+        loss_mask.append(torch.tensor(lm))
+    batch = SequenceSample.from_lists(
+        list(range(len(PAIRS))),
+        {"packed_input_ids": ids, "prompt_mask": prompt_mask, "loss_mask": loss_mask},
+    )
+    module = tiny_module(tool_tok, seed=0, hidden_size=64, intermediate_size=128, max_position_embeddings=256)
+    model = HFBackend(HFBackendArgs(device="cpu", optimizer={"lr": 3e-3})).initialize(
+        Model("actor", module, tool_tok), SPEC
+    )
+    sft = SFTInterface(SFTArgs())
+    for _ in range(200):
+        stats = sft.train_step(model, batch, MicroBatchSpec())
+    assert stats["loss"] < 0.01, stats
+    root = tmp_path_factory.mktemp("caller")
+    model.module.save_to_hf(tool_tok, str(root / "model"))
+    return root / "model"
+
+
+def test_hermes_calls_are_parsed_and_messages_normalized():
+    one = '<tool_call>{"name": "calc", "arguments": {"x": "2*3"}}</tool_call>'
+    content, calls = parse_tool_calls(one, ["c0"])
+    assert content is None and calls == [
+        {"id": "c0", "type": "function", "function": {"name": "calc", "arguments": '{"x": "2*3"}'}}
+    ]
+    two = 'Let me see. <tool_call>\n{"name": "a", "arguments": {}}\n</tool_call><tool_call>{"name": "b"}</tool_call>'
+    content, calls = parse_tool_calls(two, ["c0", "c1"])
+    assert content == "Let me see. " and [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert calls[1]["function"]["arguments"] == "{}"
+    assert len(parse_tool_calls(two, ["c0", "c1"], parallel=False)[1]) == 1
+    for text in (
+        "no call at all",
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+    ):
+        assert parse_tool_calls(text, ["c0"]) == (text, [])  # not a call: the text stays content
+
+    message = chat_message(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c0", "type": "function", "function": {"name": "calc", "arguments": '{"x": "1"}'}}
+            ],
+        },
+        0,
+    )
+    assert message == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "calc", "arguments": {"x": "1"}}, "id": "c0"}
+        ],
+    }
+    assert chat_message({"role": "tool", "tool_call_id": "c0", "content": "1"}, 1)["tool_call_id"] == "c0"
+    with pytest.raises(ProtocolError, match=r"arguments is not JSON"):
+        chat_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}, 0)
+    with pytest.raises(ProtocolError, match="constrained decoding"):
+        parse_tools({"tools": TOOLS, "tool_choice": "required"}, TEMPLATE)
+    with pytest.raises(ProtocolError, match="Hermes-style"):
+        parse_tools({"tools": TOOLS}, "{{ messages }}")
+    with pytest.raises(ProtocolError, match="list of"):
+        parse_tools({"tools": [{"name": "calc"}]}, TEMPLATE)
+    assert parse_tools({"tools": TOOLS, "tool_choice": "none"}, TEMPLATE) == (None, True)
+
+
+@pytest.fixture(scope="module")
+def tool_server(caller, tmp_path_factory):
+    from arealcli.runtime.server import launcher
+    from tests.test_server import start_servers
+
+    servers = start_servers(caller, tmp_path_factory.mktemp("tool-server-logs"))
+    yield servers[0]
+    launcher.stop(servers)
+
+
+def test_function_calling_through_the_openai_client(tool_server, tool_tok):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://{tool_server.address}/v1", api_key="unused", max_retries=0)
+    for a, b in PAIRS[:3]:
+        answer, replies = calc_agent(client, f"{a}*{b}", temperature=0)
+        assert answer == str(a * b) and len(replies) == 2
+        first, second = (r.choices[0] for r in replies)
+        assert first.finish_reason == "tool_calls" and first.message.content is None
+        (call,) = first.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "calc" and json.loads(call.function.arguments) == {"x": f"{a}*{b}"}
+        prompt = first.model_extra["prompt_token_ids"]
+        assert tool_tok.decode(prompt) == f"tools: calc\nu: {a}*{b}\na: "  # tools rendered by the template
+        # the conversation sent back re-renders to exactly the model's tokens, then the tool's turn
+        again = second.model_extra["prompt_token_ids"]
+        assert (
+            again[: len(prompt) + len(first.model_extra["token_ids"])]
+            == prompt + first.model_extra["token_ids"]
+        )
+        assert second.finish_reason == "stop" and not second.message.tool_calls
+
+    plain = client.chat.completions.create(
+        model="p",
+        messages=[{"role": "user", "content": "12*34"}],
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=4,
+    )
+    assert tool_tok.decode(plain.choices[0].model_extra["prompt_token_ids"]) == "u: 12*34\na: "  # no tools
+    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
+        client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="required"
+        )
+    with pytest.raises(openai.BadRequestError, match="chat/completions"):
+        client.completions.create(model="p", prompt="x", extra_body={"tools": TOOLS})
+
+
+CALC_CHAT_AGENT = """
+from arealcli.runtime.agent import AgentWorkflow
+from arealcli.schema.registry import register_workflow
+from tests.test_tool_calling import calc_agent
+
+
+class CalcChatAgent(AgentWorkflow):
+    def episode(self, client, prompt):
+        calc_agent(client, prompt)
+
+
+register_workflow("calc_chat_agent", CalcChatAgent)
+"""
+
+
+def test_a_function_calling_agent_generates_training_episodes(
+    caller, tool_tok, tool_server, tmp_path, monkeypatch
+):
+    """The same agent code in process: one trained sequence per episode, the call and the answer train,
+    the tool's turn does not; tokens equal those served over HTTP (greedy both)."""
+    openai = pytest.importorskip("openai")
+    (tmp_path / "calc_chat_agents.py").write_text(CALC_CHAT_AGENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    __import__("calc_chat_agents")
+    actor = hf_actor(caller, tool_tok)
+    questions = [f"{a}*{b}" for a, b in PAIRS[:4]]
+    batch = SequenceSample.from_lists(
+        list(range(len(questions))),
+        {
+            "packed_prompts": [
+                torch.tensor(tool_tok(q, add_special_tokens=False)["input_ids"]) for q in questions
+            ]
+        },
+    )
+    interface = PPOActorInterface(
+        PPOActorArgs.model_validate(
+            {
+                "workflow": {"type_": "calc_chat_agent", "args": {"max_total_tokens": 200}},
+                "generation": {"greedy": True, "max_new_tokens": 80},
+                "adv_norm": "none",
+            }
+        )
+    )
+    out = interface.generate(actor, batch, MicroBatchSpec())
+    client = openai.OpenAI(base_url=f"http://{tool_server.address}/v1", api_key="unused", max_retries=0)
+    for (a, b), ids, lm, pm in zip(
+        PAIRS,
+        out.unpack("packed_input_ids"),
+        out.unpack("loss_mask"),
+        out.unpack("prompt_mask"),
+        strict=False,
+    ):
+        ids, lm = ids.tolist(), lm.bool().tolist()
+        parts = [(own, tool_tok.decode(t)) for own, t in segments(ids, lm)]
+        assert parts == [
+            (own, text) for text, own in conversation(a, b)
+        ]  # call and answer train; tool turn not
+        assert int(pm.sum()) == len(tool_tok(conversation(a, b)[0][0])["input_ids"])
+        _, replies = calc_agent(client, f"{a}*{b}", temperature=0)
+        served = replies[-1].choices[0]
+        assert served.model_extra["prompt_token_ids"] + served.model_extra["token_ids"] == ids
+    assert out.stats["episode/tool_call_rate"] == 1.0 and out.stats["episode/turns"] == 2
