@@ -489,6 +489,15 @@ def test_openai_client_completions_with_token_ids_and_logprobs(openai_server, tr
         extra["token_ids"]
     )
 
+    # a stop text of several tokens ends the sample at the token that completes it; the text stops before it
+    multi = client.completions.create(
+        model="p", prompt=prompt, max_tokens=12, temperature=0, stop=["*38", "zz"]
+    )
+    c = multi.choices[0]
+    assert c.text == "[417" and c.finish_reason == "stop" and c.model_extra["stop_reason"] == "*38"
+    assert char_tok.decode(c.model_extra["token_ids"]) == "[417*38"  # no token generated past it
+    assert c.model_extra["token_ids"] == extra["token_ids"][:7]
+
     # batches of prompts, n samples each; max_tokens cuts with finish_reason length
     many = client.completions.create(
         model="p",
@@ -521,7 +530,6 @@ def test_openai_client_chat_and_refusals(openai_server, char_tok):
 
     for kwargs, said in [
         ({"stream": True}, "stream"),
-        ({"stop": "ab"}, "single tokens"),
         ({"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}, "Hermes-style"),
         ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),

@@ -224,7 +224,8 @@ def test_health_model_info_flush_and_errors(server, model_dir):
 
     refused({"input_ids": PROMPT, "text": "a"}, "exactly one of")
     refused({"input_ids": PROMPT, "sampling_params": {"max_new_tokenz": 3}}, "unknown sampling params")
-    refused({"input_ids": PROMPT, "sampling_params": {"stop": ["x"]}}, "not supported")
+    refused({"input_ids": PROMPT, "sampling_params": {"stop_regex": "x+"}}, "not supported")
+    refused({"input_ids": PROMPT, "sampling_params": {"stop": [""]}}, "non-empty texts")
     refused({"input_ids": PROMPT, "stream": True}, "not supported")
     refused({"input_ids": PROMPT, "sampling_params": {"top_k": 0}}, "top_k")
     refused({"input_ids": [10**6]}, "out of the vocabulary")

@@ -214,6 +214,18 @@ def test_function_calling_through_the_openai_client(tool_server, tool_tok):
         )
         assert second.finish_reason == "stop" and not second.message.tool_calls
 
+    # SGLang's /generate stops on texts too (while generating: no token past the one completing it)
+    from tests.test_server import post
+
+    prompt = tool_tok("tools: calc\nu: 12*34\na: ", add_special_tokens=False)["input_ids"]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 80, "temperature": 0, "stop": ["calc"]},
+    }
+    answer = post(tool_server, "/generate", body).json()
+    assert tool_tok.decode(answer["output_ids"]) == '<tool_call>{"name": "calc'
+    assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": "calc"}
+
     plain = client.chat.completions.create(
         model="p",
         messages=[{"role": "user", "content": "12*34"}],
@@ -292,3 +304,70 @@ def test_a_function_calling_agent_generates_training_episodes(
         served = replies[-1].choices[0]
         assert served.model_extra["prompt_token_ids"] + served.model_extra["token_ids"] == ids
     assert out.stats["episode/tool_call_rate"] == 1.0 and out.stats["episode/turns"] == 2
+
+
+def test_stop_texts_of_several_tokens_end_generation_on_every_engine(caller, tool_tok):
+    """`generation.stop`: the sample keeps the tokens up to the one completing the text (no_eos False),
+    on the training engine (cut after generation) and the local inference engine (stopped while
+    generating); the kept tokens and log-probs are those of a run without the stop."""
+    from transformers import AutoModelForCausalLM
+
+    from arealcli.runtime.backends.local import LocalBackend
+    from arealcli.schema.components.backends import LocalBackendArgs
+    from arealcli.schema.components.engine import GenerationHyperparameters
+
+    prompt = tool_tok("tools: calc\nu: 417*38\na: ", add_special_tokens=False)["input_ids"]
+    batch = SequenceSample.from_lists([0, 1], {"packed_prompts": [torch.tensor(prompt)] * 2})
+    plain = GenerationHyperparameters(greedy=True, max_new_tokens=80)
+    stopped = plain.model_copy(update={"stop": ['"arguments"', "never"]})
+    hf = hf_actor(caller, tool_tok)
+    full = hf.module.generate(batch, MicroBatchSpec(), tool_tok, plain)
+    assert tool_tok.decode(full.output_ids[0]) == call_text(417, 38) + "<eos>"
+    module = AutoModelForCausalLM.from_pretrained(caller, dtype=torch.float32)
+    local = LocalBackend(LocalBackendArgs()).initialize(Model("gen", module, tool_tok), SPEC)
+    try:
+        for engine in (hf.module, local.module):
+            out = engine.generate(batch, MicroBatchSpec(), tool_tok, stopped)
+            for ids, lps, no_eos in zip(out.output_ids, out.logprobs, out.no_eos, strict=True):
+                assert tool_tok.decode(ids) == '<tool_call>{"name": "calc", "arguments"' and not no_eos
+                assert ids == full.output_ids[0][: len(ids)]
+                assert lps == pytest.approx(full.logprobs[0][: len(ids)], abs=1e-4)
+    finally:
+        local.module.close()
+
+
+def test_tool_use_with_multi_token_tags(caller, tool_tok):
+    """The tool_use workflow with Hermes tags that are many tokens each (generation stops on the text)."""
+    from arealcli.runtime.tools import register_tool
+
+    register_tool("calc", calculator)
+    actor = hf_actor(caller, tool_tok)
+    prompts = [
+        tool_tok(f"tools: calc\nu: {a}*{b}\na: ", add_special_tokens=False)["input_ids"] for a, b in PAIRS[:3]
+    ]
+    batch = SequenceSample.from_lists([0, 1, 2], {"packed_prompts": [torch.tensor(p) for p in prompts]})
+    workflow = {
+        "type_": "tool_use",
+        "args": {
+            "tools": ["calc"],
+            "call_open": "<tool_call>",
+            "call_close": "</tool_call>",
+            "result_template": "<eos>\nr: {result}\na: ",
+            "max_total_tokens": 200,
+        },
+    }
+    interface = PPOActorInterface(
+        PPOActorArgs.model_validate(
+            {"workflow": workflow, "generation": {"greedy": True, "max_new_tokens": 80}, "adv_norm": "none"}
+        )
+    )
+    out = interface.generate(actor, batch, MicroBatchSpec())
+    for (a, b), ids, lm, p in zip(
+        PAIRS, out.unpack("packed_input_ids"), out.unpack("loss_mask"), prompts, strict=False
+    ):
+        parts = [
+            (own, tool_tok.decode(t))
+            for own, t in segments(ids.tolist()[len(p) :], lm.bool().tolist()[len(p) :])
+        ]
+        assert parts == [(True, call_text(a, b)), (False, f"<eos>\nr: {a * b}\na: "), (True, f"{a * b}<eos>")]
+    assert out.stats["episode/tool_call_rate"] == 1.0 and out.stats["episode/tool_errors"] == 0

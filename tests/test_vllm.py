@@ -201,6 +201,21 @@ def test_greedy_stop_tokens_and_min_tokens(gen, reference, char_tok, loop):
         )
         (s,) = loop.run(client.generate(PROMPT, params, 1))
         assert len(s.output_ids) >= 3 and stop not in s.output_ids[:3]
+        # a stop text of two tokens: vLLM stops at the token completing it (stop strings, natively), and
+        # the engine returns exactly the tokens up to it
+        from arealcli.runtime.generation import StopTexts
+
+        text = char_tok.decode(ids[1:3])
+        end = StopTexts([text], char_tok.decode).first_end(ids)
+        params = sampling_params(
+            GenerationHyperparameters(greedy=True, max_new_tokens=6, stop=[text]), [], n=1
+        )
+        (s,) = loop.run(client.generate(PROMPT, params, 1))
+        assert s.output_ids == ids[:end] and s.finish_type == "stop"
+        stopped = gen.module.generate(
+            query([PROMPT]), MicroBatchSpec(), char_tok, g.model_copy(update={"stop": [text]})
+        )
+        assert stopped.output_ids[0] == ids[:end] and not stopped.no_eos[0]
     finally:
         loop.run(client.aclose())
 

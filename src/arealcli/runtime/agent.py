@@ -21,9 +21,9 @@ message, rendered with the chat template).
 
 The sampling settings are the recipe's (`generation`): the recorded log-probs must be the policy's,
 so a request asking for another temperature, top_p or top_k is refused; `max_tokens` is capped by the
-recipe's `max_new_tokens` and the episode's `max_total_tokens`; `stop` texts must be single tokens and,
-as with OpenAI, are not part of the returned text (`stop_reason` names the one matched; `token_ids` keep
-every generated token).
+recipe's `max_new_tokens` and the episode's `max_total_tokens`; `stop` texts (any length) end a request
+at the token that completes them and, as with OpenAI, are not part of the returned text (`stop_reason`
+names the one matched; `token_ids` keep every generated token).
 
 Function calling works as on `areal serve`: `tools` are rendered by the chat template, Hermes-style
 `<tool_call>{...}</tool_call>` calls come back as `message.tool_calls`, and the agent appends the
@@ -235,15 +235,11 @@ class AgentClient:
         if kwargs.get("n", 1) != 1:
             raise UserError("an episode is one trajectory: its requests have n = 1")
 
-    def _stop_texts(self, stop: Any) -> dict[int, str]:
+    def _stop_texts(self, stop: Any) -> tuple[str, ...]:
         texts = [stop] if isinstance(stop, str) else list(stop or [])
-        ids = {}
-        for text in texts:
-            t = self._tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(t) != 1:
-                raise UserError(f"stop {text!r} is {len(t)} tokens; generation stops on single tokens")
-            ids[t[0]] = text
-        return ids
+        if not all(isinstance(t, str) and t for t in texts):
+            raise UserError(f"an agent's stop must be a text or a list of non-empty texts (got {stop!r})")
+        return tuple(dict.fromkeys(texts))
 
     def _tools(self, chat: bool, kwargs: dict) -> tuple[list[dict] | None, bool]:
         if not chat:
@@ -291,20 +287,21 @@ class AgentClient:
         budget = min(asked, g.max_new_tokens, a.max_total_tokens - used)
         stop_texts = self._stop_texts(kwargs.get("stop"))
         if budget > 0:
-            stop = sorted(set(g.stop_token_ids) | set(stop_texts))
-            step = g.model_copy(
-                update={"n": 1, "max_new_tokens": budget, "min_new_tokens": 0, "stop_token_ids": stop}
-            )
+            stop = list(dict.fromkeys([*g.stop, *stop_texts]))
+            step = g.model_copy(update={"n": 1, "max_new_tokens": budget, "min_new_tokens": 0, "stop": stop})
             ids, lps, no_eos, versions = self._batcher.request(self._index, prompt, step)
             ids, lps = list(ids), list(lps)
         else:  # the episode's token budget is spent
             ids, lps, no_eos, versions = [], [], True, (None, None)
         self.requests.append(Request(prompt, ids, lps, no_eos, versions))
         tok = self._tokenizer
-        reason, stopped_by, shown = finish_of(
-            ids, "length" if no_eos else "stop", stop_texts, g.stop_token_ids
+        reason, stopped_by, text = finish_of(
+            ids,
+            "length" if no_eos else "stop",
+            lambda t: tok.decode(t, skip_special_tokens=True),
+            (*stop_texts, *g.stop),
+            g.stop_token_ids,
         )
-        text = tok.decode(ids[:shown], skip_special_tokens=True)
         pieces = [tok.decode([t]) for t in ids]
         logprobs = None
         if kwargs.get("logprobs") is not None and kwargs.get("logprobs") is not False:

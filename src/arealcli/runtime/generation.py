@@ -57,6 +57,46 @@ class GenerationResult:
         )
 
 
+class StopTexts:
+    """Stop strings: a sample ends at the token that completes one of `texts` in its decoded text (a stop
+    text may span several tokens, or end inside one). Checked on the last few tokens only: a window of
+    the longest text's length + 8 tokens, as every token but a special one decodes to a character at least.
+    `decode(ids) -> str` is the tokenizer's (special tokens skipped)."""
+
+    def __init__(self, texts, decode: Callable[[list[int]], str]):
+        self.texts, self.decode = tuple(texts), decode
+        self.window = max(len(t) for t in self.texts) + 8
+
+    def matched(self, ids: list[int]) -> str | None:
+        """The stop text the end of `ids` contains (the earliest in the window), if any."""
+        tail = self.decode(ids[-self.window :])
+        hits = [(tail.find(t), t) for t in self.texts if t in tail]
+        return min(hits)[1] if hits else None
+
+    def first_end(self, ids: list[int]) -> int | None:
+        """How many tokens a sample keeps: up to the first that completes a stop text; None if none does."""
+        full = self.decode(ids)
+        if not any(t in full for t in self.texts):
+            return None
+        return next(n for n in range(1, len(ids) + 1) if self.matched(ids[:n]) is not None)
+
+    def cut(self, result: GenerationResult) -> GenerationResult:
+        """Every sample of `result` cut after the token that completes its first stop text (for
+        generators that do not stop on texts themselves, or stop later)."""
+        for i, ids in enumerate(result.output_ids):
+            end = self.first_end(ids)
+            if end is not None:
+                result.output_ids[i], result.logprobs[i] = ids[:end], result.logprobs[i][:end]
+                result.no_eos[i] = False
+        return result
+
+
+def stop_texts_of(g: GenerationHyperparameters, tokenizer) -> StopTexts | None:
+    if not g.stop:
+        return None
+    return StopTexts(g.stop, lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+
+
 def process_logits(logits: torch.Tensor, g: GenerationHyperparameters) -> torch.Tensor:
     """(B, V) raw logits -> the logits actually sampled from."""
     if g.greedy:
@@ -96,9 +136,11 @@ def generate(
     pad_id: int,
     device,
     should_abort: Callable[[], bool] | None = None,
+    stop_texts: StopTexts | None = None,
 ) -> GenerationResult:
     """`should_abort()` is polled before every decode step; when it returns True the samples stop where
-    they are (a server aborting requests for a weight update)."""
+    they are (a server aborting requests for a weight update). A sample also ends at the token that
+    completes one of `stop_texts`."""
     B = len(prompts)
     P = max(len(p) for p in prompts)
     ids = torch.full((B, P), pad_id, dtype=torch.long, device=device)
@@ -122,6 +164,8 @@ def generate(
         past, logits = _cache_of(out), out.logits[:, -1]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logps = [], []
+    history: list[list[int]] = [[] for _ in range(B)]
+    text_ends: list[int | None] = [None] * B
     for t in range(g.max_new_tokens):
         logits = logits.float()
         if t < g.min_new_tokens:
@@ -130,6 +174,18 @@ def generate(
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
         logps.append(logp)
+        if stop_texts is not None and t >= g.min_new_tokens:
+            done = finished.tolist()
+            for i, tok in enumerate(token.tolist()):
+                if not done[i]:
+                    history[i].append(tok)
+                    if stop_texts.matched(history[i]) is not None:
+                        text_ends[i] = t + 1
+            hit = torch.tensor([e is not None for e in text_ends], device=device)
+            finished = finished | hit
+        elif stop_texts is not None:
+            for i, tok in enumerate(token.tolist()):
+                history[i].append(tok)
         finished = finished | torch.isin(token, stop)
         if bool(finished.all()) or t == g.max_new_tokens - 1:
             break
@@ -148,17 +204,22 @@ def generate(
             use_cache=True,
         )
         past, logits = _cache_of(out), out.logits[:, -1]
-    return trim_at_stop(torch.stack(tokens, 1), torch.stack(logps, 1), set(stop.tolist()))
+    return trim_at_stop(torch.stack(tokens, 1), torch.stack(logps, 1), set(stop.tolist()), text_ends)
 
 
-def trim_at_stop(tokens: torch.Tensor, logps: torch.Tensor, stop_ids: set[int]) -> GenerationResult:
+def trim_at_stop(
+    tokens: torch.Tensor, logps: torch.Tensor, stop_ids: set[int], text_ends: list[int | None] | None = None
+) -> GenerationResult:
     """(B, T) sampled tokens and log-probs -> per sample, everything up to and including its first stop
-    token (all of it, flagged no_eos, when there is none)."""
+    token, or the token that completed a stop text (`text_ends[i]` tokens); all of it, flagged no_eos,
+    when neither."""
     gen, lp = tokens.cpu(), logps.float().cpu()
     result = GenerationResult([], [], [])
     for i in range(gen.shape[0]):
         row = gen[i].tolist()
         end = next((j for j, tok in enumerate(row) if tok in stop_ids), None)
+        if text_ends is not None and text_ends[i] is not None and (end is None or text_ends[i] <= end):
+            end = text_ends[i] - 1
         n = len(row) if end is None else end + 1
         result.output_ids.append(row[:n])
         result.logprobs.append(lp[i, :n].tolist())

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from arealcli.errors import UserError
 from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.generation import StopTexts
 from arealcli.runtime.tools import ToolError, get_tool
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.workflows import ToolUseArgs
@@ -84,14 +84,14 @@ class ToolUseWorkflow:
     ) -> list[Episode]:
         a = self.args
         close = tokenizer(a.call_close, add_special_tokens=False)["input_ids"]
-        if len(close) != 1:
-            raise UserError(
-                f"workflow call_close {a.call_close!r} is {len(close)} tokens for this tokenizer; generation stops "
-                "on one token: use a single-token closing tag (e.g. a special token like </tool_call>)"
-            )
-        close_id = close[0]
         eos = {tokenizer.eos_token_id, *gconfig.stop_token_ids}
-        g = gconfig.model_copy(update={"stop_token_ids": sorted(set(gconfig.stop_token_ids) | {close_id})})
+        if len(close) == 1:  # a single token: stop on its id
+            g = gconfig.model_copy(
+                update={"stop_token_ids": sorted(set(gconfig.stop_token_ids) | set(close))}
+            )
+        else:  # several: stop on the text
+            g = gconfig.model_copy(update={"stop": list(dict.fromkeys([*gconfig.stop, a.call_close]))})
+        closes = StopTexts([a.call_close], lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         episodes = [Episode() for _ in prompts]
         active = list(range(len(prompts)))
         for turn in range(a.max_turns):
@@ -115,13 +115,15 @@ class ToolUseWorkflow:
                 ep.final = ids
                 if out.versions is not None and out.versions[j] is not None:
                     ep.versions += [out.versions[j], (out.last_versions or out.versions)[j]]
-                called = bool(ids) and ids[-1] == close_id and turn < a.max_turns - 1
+                ended = bool(ids) and not out.no_eos[j] and ids[-1] not in eos
+                called = ended and closes.matched(ids) is not None and turn < a.max_turns - 1
                 if not called:
                     ep.no_eos = not (ids and ids[-1] in eos)
                     continue
-                text = tokenizer.decode(ids)
-                start = text.rfind(a.call_open)
-                call = text[start + len(a.call_open) : len(text) - len(a.call_close)] if start >= 0 else ""
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                end = text.rfind(a.call_close)
+                start = text.rfind(a.call_open, 0, end)
+                call = text[start + len(a.call_open) : end] if start >= 0 else ""
                 result, ok = self._call(call) if start >= 0 else ("error: no call was opened", False)
                 ep.tool_calls += 1
                 ep.tool_errors += not ok

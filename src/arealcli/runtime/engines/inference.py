@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arealcli.runtime.data import SequenceSample
-from arealcli.runtime.generation import GenerationResult
+from arealcli.runtime.generation import GenerationResult, stop_texts_of
 from arealcli.runtime.server.protocol import Completion, sampling_params
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
@@ -227,13 +227,15 @@ class InferenceEngine:
         groups = [(prompts[start], params, n) for start, n in prompt_groups(prompts)]
         samples = [s for group in self.loop.run(self._groups(groups)) for s in group]
         first, last = zip(*(s.versions() for s in samples), strict=True) if samples else ((), ())
-        return GenerationResult(
+        result = GenerationResult(
             [s.output_ids for s in samples],
             [s.logprobs for s in samples],
             [s.finish_type == "length" for s in samples],
             list(first),
             list(last),
         )
+        texts = stop_texts_of(gconfig, tokenizer)  # servers stop on texts; this makes the cut exact
+        return texts.cut(result) if texts is not None else result
 
     # ------------------------------------------------------------------ control
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from arealcli.runtime.data import SequenceSample
-from arealcli.runtime.generation import GenerationResult
+from arealcli.runtime.generation import GenerationResult, stop_texts_of
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
 # loss_fn(outputs, mb) -> (scalar loss, {stat: scalar tensor}); outputs are packed logits (tokens, vocab)
@@ -298,7 +298,9 @@ class TrainEngine:
                 )
                 for mb in mbs
             ]
-        return GenerationResult.concat(parts).reordered(backward)
+        result = GenerationResult.concat(parts).reordered(backward)
+        texts = stop_texts_of(gconfig, tokenizer)
+        return texts.cut(result) if texts is not None else result
 
 
 def _loss_and_stats(result: Any) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from arealcli.runtime.generation import StopTexts
 from arealcli.runtime.server.model_runner import ModelRunner
 from arealcli.runtime.server.openai_api import (
     Choice,
@@ -59,6 +60,10 @@ class GenerationService:
         per_prompt: list[list[Sequence]] = []
         for prompt, sampling, rid in zip(req.prompts, req.sampling, req.rids, strict=True):
             ids = prompt if isinstance(prompt, list) else r.encode(prompt)
+            if sampling.stop and r.tokenizer is None:
+                raise ProtocolError(
+                    f"{r.model_path} has no tokenizer: stop texts need one (use stop_token_ids)"
+                )
             if max(ids) >= r.vocab_size:
                 raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
             if len(ids) >= r.context_length:
@@ -118,15 +123,6 @@ class GenerationService:
             )
         return ids
 
-    def _single_token(self, text: str) -> int:
-        ids = self.runner.encode(text)
-        if len(ids) != 1:
-            raise ProtocolError(
-                f"stop {text!r} is {len(ids)} tokens; the embedded server stops on single tokens "
-                "(a one-token stop text or stop_token_ids)"
-            )
-        return ids[0]
-
     def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         tok = self.runner.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
@@ -180,20 +176,25 @@ class GenerationService:
                     break
             else:
                 return 503, {"error": {"message": "requests kept being aborted (weight updates); try again"}}
+            texts = StopTexts(req.stop_texts, r.decode) if req.stop_texts else None
             for j in range(len(seqs)):
-                reason, stopped_by, shown = finish_of(out[j], finish[j], req.stop_texts, req.stop_ids)
-                texts = r.token_texts(out[j]) or [""] * len(out[j])
-                text = r.decode(out[j][:shown])
-                choices.append(Choice(ids, out[j], lps[j], reason, stopped_by, text, texts, versions[j]))
+                end = texts.first_end(out[j]) if texts is not None else None  # a stop across an abort
+                if end is not None:
+                    out[j], lps[j], finish[j] = out[j][:end], lps[j][:end], "stop"
+                reason, stopped_by, text = finish_of(
+                    out[j], finish[j], r.decode, req.stop_texts, req.stop_ids
+                )
+                texts_of = r.token_texts(out[j]) or [""] * len(out[j])
+                choices.append(Choice(ids, out[j], lps[j], reason, stopped_by, text, texts_of, versions[j]))
         return 200, completion_response(req, choices, self.served_model_name, sum(len(p) for p in prompts))
 
     async def completions(self, body: Any) -> tuple[int, Any]:
-        return await self._openai(parse_completion_request(body, self._single_token))
+        return await self._openai(parse_completion_request(body))
 
     async def chat_completions(self, body: Any) -> tuple[int, Any]:
         tok = self.runner.tokenizer
         template = getattr(tok, "chat_template", None) if tok is not None else None
-        return await self._openai(parse_chat_request(body, self._single_token, self._render_chat, template))
+        return await self._openai(parse_chat_request(body, self._render_chat, template))
 
     async def models(self, body: Any) -> tuple[int, Any]:
         return 200, models_response(self.served_model_name)

@@ -19,7 +19,7 @@ from arealcli.runtime.server.protocol import Sampling
 class RowResult:
     output_ids: list[int]
     logprobs: list[float]
-    stopped_by: int | None  # the stop token that ended the sample, if any
+    stopped_by: int | str | None  # the stop token or stop text that ended the sample, if any
 
 
 class ModelRunner:
@@ -107,13 +107,35 @@ class ModelRunner:
             if self.dtype != torch.float32 and self.device.type == "cuda"
             else torch.autocast(self.device.type, enabled=False)
         )
+        texts = None
+        if sampling.stop:
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{self.model_path} has no tokenizer: stop texts need one (use stop_token_ids)"
+                )
+            texts = generation.StopTexts(sampling.stop, self.decode)
         with autocast:
             res = generation.generate(
-                self.module, prompts, g, eos, self.pad_id, self.device, should_abort=should_abort
+                self.module,
+                prompts,
+                g,
+                eos,
+                self.pad_id,
+                self.device,
+                should_abort=should_abort,
+                stop_texts=texts,
             )
         stop = eos | set(sampling.stop_token_ids)
+
+        def stopped_by(ids: list[int], trunc: bool) -> int | str | None:
+            if trunc or not ids:
+                return None
+            if ids[-1] in stop:
+                return ids[-1]
+            return texts.matched(ids) if texts is not None else None
+
         return [
-            RowResult(ids, lps, ids[-1] if not trunc and ids and ids[-1] in stop else None)
+            RowResult(ids, lps, stopped_by(ids, trunc))
             for ids, lps, trunc in zip(res.output_ids, res.logprobs, res.no_eos, strict=True)
         ]
 

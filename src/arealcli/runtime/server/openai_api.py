@@ -21,7 +21,7 @@ policy version that generated it (the first and the last when a weight update
 interrupted it: aborted samples are continued on the new weights, never cut) in `weight_version` and
 `weight_version_last`. Beyond OpenAI's fields,
 vLLM's `top_k`, `min_tokens` and `stop_token_ids` are accepted. What the embedded server cannot do
-(streaming, forced tool calls, penalties, top alternatives of log-probs, multi-token stop strings) is
+(streaming, forced tool calls, penalties, top alternatives of log-probs) is
 refused with a message saying so, never silently ignored.
 """
 
@@ -82,7 +82,7 @@ class OpenAIRequest:
     sampling: Sampling
     logprobs: bool
     chat: bool
-    stop_texts: dict[int, str]  # token id -> the `stop` text it is
+    stop_texts: tuple[str, ...]  # `stop`
     stop_ids: tuple[int, ...]  # `stop_token_ids`
     tools: list[dict] | None = None  # offered tools: parse the model's calls
     parallel_tool_calls: bool = True
@@ -124,9 +124,8 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
     return body
 
 
-def _stops(body: dict, single_token) -> tuple[dict[int, str], tuple[int, ...]]:
-    """`stop` texts (each must be one token: generation stops on token ids) by token id, and
-    `stop_token_ids`."""
+def _stops(body: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """`stop` texts and `stop_token_ids`."""
     stop = body.get("stop")
     texts = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(texts, list) or not all(isinstance(s, str) and s for s in texts) or len(texts) > 4:
@@ -134,22 +133,27 @@ def _stops(body: dict, single_token) -> tuple[dict[int, str], tuple[int, ...]]:
     extra = body.get("stop_token_ids") or []
     if not isinstance(extra, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
         raise ProtocolError(f"stop_token_ids must be a list of integers (got {extra!r})")
-    return {single_token(s): s for s in texts}, tuple(extra)
+    return tuple(dict.fromkeys(texts)), tuple(extra)
 
 
-def finish_of(ids: list[int], finished: str, stop_texts: dict[int, str], stop_ids) -> tuple[str, Any, int]:
-    """(finish_reason, stop_reason, tokens of the text): as OpenAI, a matched `stop` text is not part of
-    the returned text (its token stays in `token_ids`: the model generated it); `stop_reason` (vLLM's
-    field) is the matched stop text or stop token id, None at the end-of-sequence token or a length cut."""
+def finish_of(
+    ids: list[int], finished: str, decode, stop_texts: tuple[str, ...], stop_ids
+) -> tuple[str, Any, str]:
+    """(finish_reason, stop_reason, text): as OpenAI, a matched `stop` text and what follows it are not
+    part of the returned text (the tokens stay in `token_ids`: the model generated them); `stop_reason`
+    (vLLM's field) is the matched stop text or stop token id, None at the end-of-sequence token or a
+    length cut. `decode(ids)` skips special tokens."""
+    text = decode(ids)
     if finished != "stop" or not ids:
-        return "length", None, len(ids)
-    if ids[-1] in stop_texts:
-        return "stop", stop_texts[ids[-1]], len(ids) - 1
-    return "stop", ids[-1] if ids[-1] in stop_ids else None, len(ids)
+        return "length", None, text
+    hits = [(text.find(t), t) for t in stop_texts if t in text]
+    if hits:
+        at, matched = min(hits)
+        return "stop", matched, text[:at]
+    return "stop", ids[-1] if ids[-1] in stop_ids else None, text
 
 
-def _sampling(body: dict, max_tokens: int | None, stops: tuple[dict[int, str], tuple[int, ...]]) -> Sampling:
-    stop = tuple(sorted(set(stops[0]) | set(stops[1])))
+def _sampling(body: dict, max_tokens: int | None, stops: tuple[tuple[str, ...], tuple[int, ...]]) -> Sampling:
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_k = _integer(body, "top_k", -1, -1)
     if top_k == 0:
@@ -161,12 +165,13 @@ def _sampling(body: dict, max_tokens: int | None, stops: tuple[dict[int, str], t
         temperature=temperature,
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=max(top_k, 0),
-        stop_token_ids=stop,
+        stop_token_ids=tuple(sorted(set(stops[1]))),
+        stop=stops[0],
         n=_integer(body, "n", 1, 1),
     )
 
 
-def parse_completion_request(body: Any, single_token) -> OpenAIRequest:
+def parse_completion_request(body: Any) -> OpenAIRequest:
     body = _check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (
@@ -194,7 +199,7 @@ def parse_completion_request(body: Any, single_token) -> OpenAIRequest:
             "logprobs: 0 returns the log-prob of every generated token"
         )
     max_tokens = _integer(body, "max_tokens", 16, 0)  # OpenAI's default for completions
-    stops = _stops(body, single_token)
+    stops = _stops(body)
     return OpenAIRequest(prompts, _sampling(body, max_tokens, stops), logprobs is not None, False, *stops)
 
 
@@ -323,7 +328,7 @@ def parse_tool_calls(text: str, ids: list[str], parallel: bool = True) -> tuple[
     return (content if content.strip() else None), calls if parallel else calls[:1]
 
 
-def parse_chat_request(body: Any, single_token, render, template: str | None) -> OpenAIRequest:
+def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest:
     """`render(messages, tools) -> token ids` applies the served tokenizer's chat template (`template`)."""
     body = _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
@@ -341,7 +346,7 @@ def parse_chat_request(body: Any, single_token, render, template: str | None) ->
         raise ProtocolError(f"logprobs must be true or false (got {logprobs!r})")
     max_tokens = _integer(body, "max_completion_tokens", None, 0)
     max_tokens = _integer(body, "max_tokens", None, 0) if max_tokens is None else max_tokens
-    stops = _stops(body, single_token)
+    stops = _stops(body)
     return OpenAIRequest(
         [prompt], _sampling(body, max_tokens, stops), bool(logprobs), True, *stops, tools, parallel
     )

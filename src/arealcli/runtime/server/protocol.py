@@ -30,7 +30,6 @@ TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
 _TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
 # SGLang features the embedded server does not implement: accepted only at their neutral values.
 _NEUTRAL_SAMPLING: dict[str, tuple] = {
-    "stop": (None, "", []),
     "stop_regex": (None, "", []),
     "min_p": (0.0,),
     "frequency_penalty": (0.0,),
@@ -80,6 +79,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0  # 0 = all tokens
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop texts (may span tokens)
     ignore_eos: bool = False
     n: int = 1
 
@@ -101,6 +101,7 @@ class Sampling:
             top_p=self.top_p,
             top_k=self.top_k,
             stop_token_ids=list(self.stop_token_ids),
+            stop=list(self.stop),
         )
 
 
@@ -153,6 +154,12 @@ def parse_sampling(raw: Any) -> Sampling:
     stop = raw.get("stop_token_ids") or []
     if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
         raise ProtocolError(f"stop_token_ids must be a list of integers (got {stop!r})")
+    texts = raw.get("stop") or []
+    texts = [texts] if isinstance(texts, str) else texts
+    if not isinstance(texts, list) or not all(isinstance(t, str) and t for t in texts) or len(texts) > 16:
+        raise ProtocolError(
+            f"stop must be a text or a list of up to 16 non-empty texts (got {raw.get('stop')!r})"
+        )
     ignore_eos = raw.get("ignore_eos") or False
     if not isinstance(ignore_eos, bool):
         raise ProtocolError(f"ignore_eos must be a boolean (got {ignore_eos!r})")
@@ -163,6 +170,7 @@ def parse_sampling(raw: Any) -> Sampling:
         top_p=top_p,
         top_k=0 if top_k < 0 or top_k >= TOP_K_ALL else top_k,
         stop_token_ids=tuple(sorted(set(stop))),
+        stop=tuple(dict.fromkeys(texts)),
         ignore_eos=ignore_eos,
         n=_int(raw, "n", 1, 1),
     )
@@ -178,6 +186,8 @@ def sampling_params(g: GenerationHyperparameters, stop_token_ids: list[int], n: 
         "stop_token_ids": sorted(set(stop_token_ids) | set(g.stop_token_ids)),
         "n": n,
     }
+    if g.stop:
+        params["stop"] = list(g.stop)
     if g.top_k > 0 and not g.greedy:
         params["top_k"] = g.top_k
     return params
@@ -269,7 +279,7 @@ def parse_generate(body: Any) -> GenerateRequest:
 # --------------------------------------------------------------------------- /generate responses
 
 
-def finish_stop(matched: int) -> dict[str, Any]:
+def finish_stop(matched: int | str) -> dict[str, Any]:
     return {"type": "stop", "matched": matched}
 
 

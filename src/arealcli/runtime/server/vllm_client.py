@@ -64,6 +64,7 @@ def completion_payload(prompt: list[int], params: dict[str, Any], n: int) -> dic
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
         "stop_token_ids": list(params.get("stop_token_ids", [])),
+        "stop": list(params.get("stop", [])),
         "ignore_eos": True,  # stop at stop_token_ids only (they include the tokenizer's EOS)
         "logprobs": 0,  # the sampled token's log-prob, no alternatives
         "return_token_ids": True,

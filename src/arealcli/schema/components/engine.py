@@ -65,6 +65,12 @@ class GenerationHyperparameters(StrictModel):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end a sample.")
+    stop: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Texts that end a sample (may span several tokens): it keeps every token up to the one "
+        "that completes the text.",
+    )
 
     @model_validator(mode="after")
     def _min_le_max(self) -> GenerationHyperparameters:

@@ -17,7 +17,7 @@ class ToolUseArgs(StrictModel):
     )
     call_open: str = Field("[", description="Text that opens a tool call: `[12*34]` calls the (first) tool.")
     call_close: str = Field(
-        "]", description="Text that closes a tool call; must be one token (generation stops on it)."
+        "]", description="Text that closes a tool call (generation stops on it; any number of tokens)."
     )
     result_template: str = Field(
         "={result} ", description="How a tool's result is written back, {result} filled in."
