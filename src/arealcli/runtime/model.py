@@ -40,6 +40,7 @@ class Model:
     dtype: torch.dtype = torch.float32
     version: ModelVersion = field(default_factory=ModelVersion)
     backend: Any = None
+    seed: int = 0  # seeds what a backend adds to the module (LoRA adapters): the same on every rank
 
     def inc_version(self) -> None:
         self.version.global_step += 1

@@ -108,13 +108,14 @@ class Trainer:
         self.trained = {c.model for c in r.dataflow.calls if c.type == "train_step" and c.model}
         self.models: dict[str, Model] = {}
         raw: dict[str, Any] = {}
-        for i, name in enumerate(model_build_order(r)):
+        seeds = {name: r.seed + i for i, name in enumerate(model_build_order(r))}
+        for name in model_build_order(r):
             mspec = r.models[name]
             if mspec.base_of is not None:
                 continue  # a view of another model, built below
             if mspec.path:
                 mspec = mspec.model_copy(update={"path": self._resolve(mspec.path)})
-            raw[name] = build_module(mspec, self.tokenizer, r.seed + i, raw.get(mspec.init_from))
+            raw[name] = build_module(mspec, self.tokenizer, seeds[name], raw.get(mspec.init_from))
         for name in model_build_order(r):
             if r.models[name].base_of is not None:  # e.g. the reference model: the actor with adapters off
                 self.models[name] = base_model_view(name, self.models[r.models[name].base_of])
@@ -128,7 +129,7 @@ class Trainer:
             ):
                 with ckpt.reading(resume_from / name):
                     ckpt.load_hf_weights(module, resume_from / name)
-            model = Model(name, module, self.tokenizer)
+            model = Model(name, module, self.tokenizer, seed=seeds[name])
             model = backend.initialize(model, spec)
             if resume_from is not None and name in self.trained:
                 with ckpt.reading(resume_from / name):

@@ -13,6 +13,9 @@ Collectives must match across ranks, so:
 - `save_to_hf` gathers a full state dict on rank 0 (CPU), which writes safetensors
   `AutoModelForCausalLM.from_pretrained` loads; `save`/`load` keep the optimizer state sharded with
   torch.distributed.checkpoint (one file per rank; it also reloads under another world size).
+- With `lora`, peft's adapters are added before sharding (frozen base and trainable adapters share the
+  units; only adapters carry gradients and optimizer state); the export is the merged model plus
+  `adapter/`, and a resume loads the adapters onto the rebuilt base.
 
 Started in a single process (no launcher), the backend makes its own world of one.
 """
@@ -31,6 +34,7 @@ from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.backends.hf import run_packed
 from arealcli.runtime.data import SequenceSample
 from arealcli.runtime.engines.train import TrainEngine, clip_and_step
+from arealcli.runtime.lora import adapter_state, is_lora, merged_state, save_adapters, scaling, with_lora
 from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
 from arealcli.runtime.optim import begin_step, build_optimizer
 from arealcli.schema.components.backends import FSDPBackendArgs
@@ -142,18 +146,29 @@ class FSDPEngine(TrainEngine):
             for unit in self.units:
                 unit.reshard()
 
+    @property
+    def lora(self) -> bool:
+        return is_lora(self.module)
+
     def generate_prompts(self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int):
-        return generation.generate(self.module, prompts, g, eos_ids, pad_id, self.device)
+        # with LoRA the adapters sit inside the base model's layers (all unsharded here): run it directly
+        module = self.module.get_base_model() if self.lora else self.module
+        return generation.generate(module, prompts, g, eos_ids, pad_id, self.device)
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
-        """Collective: every rank sends its shards; rank 0 writes the HF directory."""
+        """Collective: every rank sends its shards; rank 0 writes the HF directory (with LoRA: the merged
+        weights, and the adapters in `adapter/`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(
             self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if distributed.rank() == 0:
-            write_hf_checkpoint(self.module, self.architecture, state, save_dir)
+            module = self.module
+            if self.lora:
+                save_adapters(self.module, state, save_dir)
+                state, module = merged_state(state, scaling(self.module)), self.module.get_base_model()
+            write_hf_checkpoint(module, self.architecture, state, save_dir)
             if tokenizer is not None:
                 tokenizer.save_pretrained(save_dir)
 
@@ -177,6 +192,8 @@ class FSDPBackend(ModelBackend):
         if hasattr(module, "config"):
             module.config._attn_implementation = a.attn_implementation
         architecture = type(module).__name__
+        if a.lora is not None:
+            module = with_lora(module, a.lora, model.seed)
         module = module.to(device)
         param_dtype, reduce_dtype = DTYPES[a.mixed_precision_param], DTYPES[a.mixed_precision_reduce]
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
@@ -196,6 +213,11 @@ class FSDPBackend(ModelBackend):
         model.device, model.dtype = device, param_dtype
         return model
 
+    @property
+    def resumes_weights(self) -> bool:
+        """With LoRA, resume rebuilds the base and loads the adapters itself (`load`), not the merged export."""
+        return self.args.lora is not None
+
     def save(self, model: Model, save_dir: str) -> None:
         """Collective: each rank writes its optimizer shard (torch.distributed.checkpoint)."""
         engine: FSDPEngine = model.module
@@ -209,6 +231,17 @@ class FSDPBackend(ModelBackend):
 
     def load(self, model: Model, load_dir: str) -> None:
         engine: FSDPEngine = model.module
+        if engine.lora:  # every rank reads the adapters; each keeps its shards
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            adapters = {k: v.to(engine.device) for k, v in adapter_state(load_dir).items()}
+            result = set_model_state_dict(
+                engine.module, adapters, options=StateDictOptions(full_state_dict=True, strict=False)
+            )
+            if result.unexpected_keys:
+                raise RuntimeError(
+                    f"adapters in {load_dir} do not fit the model: {result.unexpected_keys[:5]}"
+                )
         path = os.path.join(load_dir, "optimizer")
         if engine.optimizer is None or not os.path.isdir(path):
             return

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 
 import torch
 
@@ -17,6 +16,7 @@ from arealcli.runtime import distributed, generation
 from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.data import SequenceSample
 from arealcli.runtime.engines.train import TrainEngine, average_gradients, clip_and_step
+from arealcli.runtime.lora import ADAPTER_DIR, is_lora, with_lora
 from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
 from arealcli.runtime.optim import begin_step, build_optimizer
 from arealcli.schema.components.backends import HFBackendArgs
@@ -35,37 +35,6 @@ def run_packed(module, mb: SequenceSample, device) -> torch.Tensor:
     out = module(input_ids=ids)
     out = out.logits if hasattr(out, "logits") else out
     return out[mask]  # row-major: sample 0's tokens, then sample 1's, ... = the packed order
-
-
-ADAPTER_DIR = "adapter"  # LoRA adapters inside an HF export (peft's save_pretrained layout)
-
-
-def with_lora(module, cfg):
-    """`module` with peft LoRA adapters: only they train. A target that matches nothing is the user's to fix."""
-    from peft import LoraConfig, get_peft_model
-
-    from arealcli.errors import UserError
-
-    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
-    config = LoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=targets,
-        task_type="CAUSAL_LM",
-    )
-    try:
-        with warnings.catch_warnings():  # peft reads an attribute transformers 5 deprecates
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return get_peft_model(module, config)
-    except ValueError as e:
-        linear = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
-        )
-        raise UserError(
-            f"lora.target_modules {targets} match no layer of the model ({str(e).splitlines()[0]}); its linear "
-            f"layers are: {', '.join(linear)}"
-        ) from None
 
 
 class HFEngine(TrainEngine):
@@ -105,7 +74,7 @@ class HFEngine(TrainEngine):
 
     @property
     def lora(self) -> bool:
-        return hasattr(self.module, "peft_config")
+        return is_lora(self.module)
 
     def generate_prompts(self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int):
         # with LoRA the adapters sit inside the base model's layers: generate with it directly
@@ -154,7 +123,7 @@ class HFBackend(ModelBackend):
         if hasattr(module, "config"):
             module.config._attn_implementation = a.attn_implementation
         if a.lora is not None:
-            module = with_lora(module, a.lora)
+            module = with_lora(module, a.lora, model.seed)
         module = module.to(device)
         model.module = HFEngine(module, device, dtype, a.optimizer, spec.total_train_steps)
         model.device, model.dtype = device, dtype

@@ -32,9 +32,13 @@ class HFBackendArgs(StrictModel):
 
     @model_validator(mode="after")
     def _lora_trains(self) -> HFBackendArgs:
-        if self.lora is not None and self.optimizer is None:
-            raise ValueError("lora adapters are for training: add `optimizer: {lr: ...}` (or drop `lora`)")
-        return self
+        return _lora_needs_an_optimizer(self)
+
+
+def _lora_needs_an_optimizer(args):
+    if args.lora is not None and args.optimizer is None:
+        raise ValueError("lora adapters are for training: add `optimizer: {lr: ...}` (or drop `lora`)")
+    return args
 
 
 class FSDPBackendArgs(StrictModel):
@@ -64,6 +68,13 @@ class FSDPBackendArgs(StrictModel):
         False, description="Recompute activations in backward to save memory."
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    lora: LoraConfig | None = Field(
+        None, description="Train low-rank adapters instead of every weight (needs an optimizer)."
+    )
+
+    @model_validator(mode="after")
+    def _lora_trains(self) -> FSDPBackendArgs:
+        return _lora_needs_an_optimizer(self)
 
 
 class MegatronBackendArgs(StrictModel):

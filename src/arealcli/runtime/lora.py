@@ -1,0 +1,102 @@
+"""LoRA adapters (peft) for the hf and fsdp backends.
+
+A LoRA model trains only its adapters: W x + (alpha / r) B A x on every targeted linear layer, B starting
+at zero. Its checkpoints hold the merged weights, W + (alpha / r) B A, as a plain HF directory (what a
+generation server or `from_pretrained` loads), and the adapters themselves in `adapter/` (peft's
+`save_pretrained` layout: adapter_config.json + adapter_model.safetensors), which a resume loads back
+onto the rebuilt base.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from arealcli.errors import UserError
+
+ADAPTER_DIR = "adapter"
+ADAPTER_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."  # peft's prefix before the base model's own parameter names
+
+
+def with_lora(module, cfg, seed: int):
+    """`module` with peft LoRA adapters: only they train. Their initial values come from `seed`, so every
+    rank (replica or shard owner) starts from the same adapters. A target that matches nothing is the
+    user's to fix."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else list(cfg.target_modules)
+    config = LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=devices):
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            torch.manual_seed(seed)  # not the rank's sampling stream: the same adapters everywhere
+            return get_peft_model(module, config)
+    except ValueError as e:
+        linear = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        raise UserError(
+            f"lora.target_modules {targets} match no layer of the model ({str(e).splitlines()[0]}); its linear "
+            f"layers are: {', '.join(linear)}"
+        ) from None
+
+
+def is_lora(module) -> bool:
+    return hasattr(module, "peft_config")
+
+
+def scaling(peft_module, adapter: str = "default") -> float:
+    cfg = peft_module.peft_config[adapter]
+    return cfg.lora_alpha / (cfg.r**0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
+
+
+def merged_state(
+    state: dict[str, torch.Tensor], scale: float, adapter: str = "default"
+) -> dict[str, torch.Tensor]:
+    """A LoRA model's full state dict (peft's names) -> the base model's state dict with every adapted
+    weight merged: W + scale * B A."""
+    out = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        if key.endswith(".base_layer.weight"):
+            stem = key.removesuffix(".base_layer.weight")
+            a, b = state[f"{stem}.lora_A.{adapter}.weight"], state[f"{stem}.lora_B.{adapter}.weight"]
+            value = value + (scale * (b.float() @ a.float())).to(value.dtype)
+        out[key.removeprefix(_PREFIX).replace(".base_layer.", ".")] = value
+    return out
+
+
+def save_adapters(peft_module, state: dict[str, torch.Tensor], save_dir: str) -> None:
+    """`adapter/` in peft's layout from a full state dict (peft's names, the adapter name dropped)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    path = os.path.join(save_dir, ADAPTER_DIR)
+    os.makedirs(path, exist_ok=True)
+    adapters = get_peft_model_state_dict(peft_module, state_dict=state)
+    save_file({k: v.detach().contiguous() for k, v in adapters.items()}, os.path.join(path, ADAPTER_FILE))
+    peft_module.peft_config["default"].save_pretrained(path)
+
+
+def adapter_state(load_dir: str, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The adapters saved in a checkpoint, under the model's own parameter names."""
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(load_dir, ADAPTER_DIR, ADAPTER_FILE))
+    return {
+        k.replace(".lora_A.weight", f".lora_A.{adapter}.weight").replace(
+            ".lora_B.weight", f".lora_B.{adapter}.weight"
+        ): v
+        for k, v in saved.items()
+    }
