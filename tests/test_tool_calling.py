@@ -144,7 +144,7 @@ def test_hermes_calls_are_parsed_and_messages_normalized():
     ]
     two = 'Let me see. <tool_call>\n{"name": "a", "arguments": {}}\n</tool_call><tool_call>{"name": "b"}</tool_call>'
     content, calls = parse_tool_calls(two, ["c0", "c1"])
-    assert content == "Let me see. " and [c["function"]["name"] for c in calls] == ["a", "b"]
+    assert content == "Let me see." and [c["function"]["name"] for c in calls] == ["a", "b"]
     assert calls[1]["function"]["arguments"] == "{}"
     assert len(parse_tool_calls(two, ["c0", "c1"], parallel=False)[1]) == 1
     for text in (

@@ -304,7 +304,7 @@ _CALL = re.compile(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CLOSE)
 def parse_tool_calls(text: str, ids: list[str], parallel: bool = True) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a generated text: Hermes-style `<tool_call>{"name", "arguments"}</tool_call>`
     blocks become OpenAI tool calls (arguments as a JSON text; `ids` names them), the text before the
-    first call the content (None when blank). A block that is not such JSON leaves the whole text as
+    first call the content (trailing whitespace dropped; None when blank). A block that is not such JSON leaves the whole text as
     content with no calls (as vLLM's hermes parser does)."""
     calls = []
     for k, m in enumerate(_CALL.finditer(text)):
@@ -324,8 +324,10 @@ def parse_tool_calls(text: str, ids: list[str], parallel: bool = True) -> tuple[
         )
     if not calls:
         return text, []
-    content = text[: text.index(TOOL_OPEN)]
-    return (content if content.strip() else None), calls if parallel else calls[:1]
+    # the text before the first call, without the whitespace that separates it from the call (templates
+    # such as Qwen2.5's put their own newline there when they render the message back)
+    content = text[: text.index(TOOL_OPEN)].rstrip()
+    return (content or None), calls if parallel else calls[:1]
 
 
 def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest:
