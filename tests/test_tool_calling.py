@@ -1,6 +1,6 @@
 """OpenAI function calling: `tools` rendered by the chat template, Hermes-style `<tool_call>` JSON the
 model writes parsed into `message.tool_calls`, on `areal serve` (the `openai` package over HTTP) and
-in process (the same agent code generating training episodes)."""
+in process (examples/function_calling_agent.py generating training episodes)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,10 @@ from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
 from arealcli.runtime.interfaces.sft import SFTInterface
 from arealcli.runtime.model import Model
 from arealcli.runtime.server.openai_api import ProtocolError, chat_message, parse_tool_calls, parse_tools
-from arealcli.runtime.tools import calculator
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs, SFTArgs
-from tests.conftest import tiny_module
+from tests.conftest import REPO, tiny_module
 from tests.test_agentic import PAIRS, SPEC, hf_actor, segments
 
 # A compact chat template in the Hermes style of Qwen2.5's: the tools' names up front, calls written as
@@ -35,49 +34,35 @@ TEMPLATE = (
     "{% else %}u: {{ m.content }}{{ '\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}a: {% endif %}"
 )
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calc",
-            "description": "evaluate an arithmetic expression",
-            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
-        },
-    }
-]
+
+
+def load_example():
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        return importlib.import_module("function_calling_agent")
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+
+
+EXAMPLE = load_example()
+TOOLS = EXAMPLE.TOOLS  # a calculator: {"expression": ...}
 
 
 def call_text(a: int, b: int) -> str:
-    return f'<tool_call>{{"name": "calc", "arguments": {{"x": "{a}*{b}"}}}}</tool_call>'
+    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}*{b}"}}}}</tool_call>'
 
 
 def conversation(a: int, b: int) -> list[tuple[str, bool]]:
     """A worked conversation as (text, the model's own) pieces: call, tool result, answer."""
     return [
-        (f"tools: calc\nu: {a}*{b}\na: ", False),
+        (f"tools: calculator\nu: {a}*{b}\na: ", False),
         (call_text(a, b) + "<eos>", True),
         (f"\nr: {a * b}\na: ", False),
         (f"{a * b}<eos>", True),
     ]
-
-
-def calc_agent(client, question: str, **sampling):
-    """Plain OpenAI function-calling code: ask with tools; run each call; ask again until an answer."""
-    messages: list = [{"role": "user", "content": question}]
-    replies = []
-    for _ in range(3):
-        reply = client.chat.completions.create(
-            model="policy", messages=messages, tools=TOOLS, max_tokens=80, **sampling
-        )
-        replies.append(reply)
-        message = reply.choices[0].message
-        messages.append(message)
-        if not message.tool_calls:
-            return message.content, replies
-        for call in message.tool_calls:
-            x = json.loads(call.function.arguments)["x"]
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": calculator(x)})
-    return None, replies
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +74,7 @@ def tool_tok(char_tok):
 
 @pytest.fixture(scope="module")
 def caller(tmp_path_factory, tool_tok):
-    """A tiny model fitted (SFT on its own turns) to eight conversations that call `calc`."""
+    """A tiny model fitted (SFT on its own turns) to eight conversations that call the calculator."""
     ids, prompt_mask, loss_mask = [], [], []
     for a, b in PAIRS:
         pieces = conversation(a, b)
@@ -100,7 +85,10 @@ def caller(tmp_path_factory, tool_tok):
                     "role": "assistant",
                     "content": "",
                     "tool_calls": [
-                        {"type": "function", "function": {"name": "calc", "arguments": {"x": f"{a}*{b}"}}}
+                        {
+                            "type": "function",
+                            "function": {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}},
+                        }
                     ],
                 },
                 {"role": "tool", "content": str(a * b)},
@@ -197,15 +185,18 @@ def test_function_calling_through_the_openai_client(tool_server, tool_tok):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"http://{tool_server.address}/v1", api_key="unused", max_retries=0)
     for a, b in PAIRS[:3]:
-        answer, replies = calc_agent(client, f"{a}*{b}", temperature=0)
+        answer, replies = EXAMPLE.function_calling_agent(client, f"{a}*{b}", temperature=0)
         assert answer == str(a * b) and len(replies) == 2
         first, second = (r.choices[0] for r in replies)
         assert first.finish_reason == "tool_calls" and first.message.content is None
         (call,) = first.message.tool_calls
         assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name == "calc" and json.loads(call.function.arguments) == {"x": f"{a}*{b}"}
+        assert call.function.name == "calculator"
+        assert json.loads(call.function.arguments) == {"expression": f"{a}*{b}"}
         prompt = first.model_extra["prompt_token_ids"]
-        assert tool_tok.decode(prompt) == f"tools: calc\nu: {a}*{b}\na: "  # tools rendered by the template
+        assert (
+            tool_tok.decode(prompt) == f"tools: calculator\nu: {a}*{b}\na: "
+        )  # tools rendered by the template
         # the conversation sent back re-renders to exactly the model's tokens, then the tool's turn
         again = second.model_extra["prompt_token_ids"]
         assert (
@@ -217,7 +208,7 @@ def test_function_calling_through_the_openai_client(tool_server, tool_tok):
     # SGLang's /generate stops on texts too (while generating: no token past the one completing it)
     from tests.test_server import post
 
-    prompt = tool_tok("tools: calc\nu: 12*34\na: ", add_special_tokens=False)["input_ids"]
+    prompt = tool_tok("tools: calculator\nu: 12*34\na: ", add_special_tokens=False)["input_ids"]
     body = {
         "input_ids": prompt,
         "sampling_params": {"max_new_tokens": 80, "temperature": 0, "stop": ["calc"]},
@@ -242,30 +233,11 @@ def test_function_calling_through_the_openai_client(tool_server, tool_tok):
         client.completions.create(model="p", prompt="x", extra_body={"tools": TOOLS})
 
 
-CALC_CHAT_AGENT = """
-from arealcli.runtime.agent import AgentWorkflow
-from arealcli.schema.registry import register_workflow
-from tests.test_tool_calling import calc_agent
-
-
-class CalcChatAgent(AgentWorkflow):
-    def episode(self, client, prompt):
-        calc_agent(client, prompt)
-
-
-register_workflow("calc_chat_agent", CalcChatAgent)
-"""
-
-
-def test_a_function_calling_agent_generates_training_episodes(
-    caller, tool_tok, tool_server, tmp_path, monkeypatch
-):
-    """The same agent code in process: one trained sequence per episode, the call and the answer train,
-    the tool's turn does not; tokens equal those served over HTTP (greedy both)."""
+def test_a_function_calling_agent_generates_training_episodes(caller, tool_tok, tool_server):
+    """The same agent code in process (the example's `function_calling_agent` workflow): one trained
+    sequence per episode, the call and the answer train, the tool's turn does not; tokens equal those
+    served over HTTP (greedy both)."""
     openai = pytest.importorskip("openai")
-    (tmp_path / "calc_chat_agents.py").write_text(CALC_CHAT_AGENT)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    __import__("calc_chat_agents")
     actor = hf_actor(caller, tool_tok)
     questions = [f"{a}*{b}" for a, b in PAIRS[:4]]
     batch = SequenceSample.from_lists(
@@ -279,8 +251,8 @@ def test_a_function_calling_agent_generates_training_episodes(
     interface = PPOActorInterface(
         PPOActorArgs.model_validate(
             {
-                "workflow": {"type_": "calc_chat_agent", "args": {"max_total_tokens": 200}},
-                "generation": {"greedy": True, "max_new_tokens": 80},
+                "workflow": {"type_": "function_calling_agent", "args": {"max_total_tokens": 250}},
+                "generation": {"greedy": True, "max_new_tokens": 120},
                 "adv_norm": "none",
             }
         )
@@ -300,7 +272,7 @@ def test_a_function_calling_agent_generates_training_episodes(
             (own, text) for text, own in conversation(a, b)
         ]  # call and answer train; tool turn not
         assert int(pm.sum()) == len(tool_tok(conversation(a, b)[0][0])["input_ids"])
-        _, replies = calc_agent(client, f"{a}*{b}", temperature=0)
+        _, replies = EXAMPLE.function_calling_agent(client, f"{a}*{b}", temperature=0)
         served = replies[-1].choices[0]
         assert served.model_extra["prompt_token_ids"] + served.model_extra["token_ids"] == ids
     assert out.stats["episode/tool_call_rate"] == 1.0 and out.stats["episode/turns"] == 2
@@ -316,9 +288,9 @@ def test_stop_texts_of_several_tokens_end_generation_on_every_engine(caller, too
     from arealcli.schema.components.backends import LocalBackendArgs
     from arealcli.schema.components.engine import GenerationHyperparameters
 
-    prompt = tool_tok("tools: calc\nu: 417*38\na: ", add_special_tokens=False)["input_ids"]
+    prompt = tool_tok("tools: calculator\nu: 417*38\na: ", add_special_tokens=False)["input_ids"]
     batch = SequenceSample.from_lists([0, 1], {"packed_prompts": [torch.tensor(prompt)] * 2})
-    plain = GenerationHyperparameters(greedy=True, max_new_tokens=80)
+    plain = GenerationHyperparameters(greedy=True, max_new_tokens=120)
     stopped = plain.model_copy(update={"stop": ['"arguments"', "never"]})
     hf = hf_actor(caller, tool_tok)
     full = hf.module.generate(batch, MicroBatchSpec(), tool_tok, plain)
@@ -329,7 +301,7 @@ def test_stop_texts_of_several_tokens_end_generation_on_every_engine(caller, too
         for engine in (hf.module, local.module):
             out = engine.generate(batch, MicroBatchSpec(), tool_tok, stopped)
             for ids, lps, no_eos in zip(out.output_ids, out.logprobs, out.no_eos, strict=True):
-                assert tool_tok.decode(ids) == '<tool_call>{"name": "calc", "arguments"' and not no_eos
+                assert tool_tok.decode(ids) == '<tool_call>{"name": "calculator", "arguments"' and not no_eos
                 assert ids == full.output_ids[0][: len(ids)]
                 assert lps == pytest.approx(full.logprobs[0][: len(ids)], abs=1e-4)
     finally:
@@ -338,18 +310,16 @@ def test_stop_texts_of_several_tokens_end_generation_on_every_engine(caller, too
 
 def test_tool_use_with_multi_token_tags(caller, tool_tok):
     """The tool_use workflow with Hermes tags that are many tokens each (generation stops on the text)."""
-    from arealcli.runtime.tools import register_tool
-
-    register_tool("calc", calculator)
     actor = hf_actor(caller, tool_tok)
     prompts = [
-        tool_tok(f"tools: calc\nu: {a}*{b}\na: ", add_special_tokens=False)["input_ids"] for a, b in PAIRS[:3]
+        tool_tok(f"tools: calculator\nu: {a}*{b}\na: ", add_special_tokens=False)["input_ids"]
+        for a, b in PAIRS[:3]
     ]
     batch = SequenceSample.from_lists([0, 1, 2], {"packed_prompts": [torch.tensor(p) for p in prompts]})
     workflow = {
         "type_": "tool_use",
         "args": {
-            "tools": ["calc"],
+            "tools": ["calculator"],
             "call_open": "<tool_call>",
             "call_close": "</tool_call>",
             "result_template": "<eos>\nr: {result}\na: ",
@@ -358,7 +328,7 @@ def test_tool_use_with_multi_token_tags(caller, tool_tok):
     }
     interface = PPOActorInterface(
         PPOActorArgs.model_validate(
-            {"workflow": workflow, "generation": {"greedy": True, "max_new_tokens": 80}, "adv_norm": "none"}
+            {"workflow": workflow, "generation": {"greedy": True, "max_new_tokens": 120}, "adv_norm": "none"}
         )
     )
     out = interface.generate(actor, batch, MicroBatchSpec())
