@@ -150,3 +150,15 @@ def cli():
         return runner.invoke(app, [str(a) for a in args])
 
     return invoke
+
+
+def load_example(name: str):
+    """A module of examples/ (plugins to start from), imported as a user's recipe would."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(REPO / "examples"))

@@ -25,7 +25,7 @@ from arealcli.schema.components.backends import HFBackendArgs, SGLangBackendArgs
 from arealcli.schema.components.datasets import PromptAnswerArgs
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs, RewardArgs, SFTArgs
-from tests.conftest import REPO, tiny_module, write_jsonl
+from tests.conftest import REPO, load_example, tiny_module, write_jsonl
 
 SPEC = FinetuneSpec(1, 8, 8, 1000)
 TOOL_USE = {"type_": "tool_use", "args": {"max_turns": 3, "max_total_tokens": 32}}
@@ -627,14 +627,7 @@ def test_check_wants_a_value_head_on_critics_only(ws, cli):
 
 
 def load_example_agent():
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        return importlib.import_module("calculator_agent")
-    finally:
-        sys.path.remove(str(REPO / "examples"))
+    return load_example("calculator_agent")
 
 
 def test_an_openai_client_agent_generates_the_same_episodes_as_tool_use(trained, char_tok):

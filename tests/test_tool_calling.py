@@ -19,7 +19,7 @@ from arealcli.runtime.server.openai_api import ProtocolError, chat_message, pars
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs, SFTArgs
-from tests.conftest import REPO, tiny_module
+from tests.conftest import load_example, tiny_module
 from tests.test_agentic import PAIRS, SPEC, hf_actor, segments
 
 # A compact chat template in the Hermes style of Qwen2.5's: the tools' names up front, calls written as
@@ -36,18 +36,7 @@ TEMPLATE = (
 )
 
 
-def load_example():
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(REPO / "examples"))
-    try:
-        return importlib.import_module("function_calling_agent")
-    finally:
-        sys.path.remove(str(REPO / "examples"))
-
-
-EXAMPLE = load_example()
+EXAMPLE = load_example("function_calling_agent")
 TOOLS = EXAMPLE.TOOLS  # a calculator: {"expression": ...}
 
 
