@@ -222,31 +222,28 @@ def test_function_calling_through_the_openai_client(tool_server, tool_tok):
         client.completions.create(model="p", prompt="x", extra_body={"tools": TOOLS})
 
 
+def questions_batch(tok, n: int = 4) -> SequenceSample:
+    questions = [f"{a}*{b}" for a, b in PAIRS[:n]]
+    prompts = [torch.tensor(tok(q, add_special_tokens=False)["input_ids"]) for q in questions]
+    return SequenceSample.from_lists(list(range(n)), {"packed_prompts": prompts})
+
+
+def generate_with(workflow: dict, actor) -> SequenceSample:
+    interface = PPOActorInterface(
+        PPOActorArgs.model_validate(
+            {"workflow": workflow, "generation": {"greedy": True, "max_new_tokens": 120}, "adv_norm": "none"}
+        )
+    )
+    return interface.generate(actor, questions_batch(actor.tokenizer), MicroBatchSpec())
+
+
 def test_a_function_calling_agent_generates_training_episodes(caller, tool_tok, tool_server):
     """The same agent code in process (the example's `function_calling_agent` workflow): one trained
     sequence per episode, the call and the answer train, the tool's turn does not; tokens equal those
-    served over HTTP (greedy both)."""
+    served over HTTP (greedy both). The built-in `function_calling` workflow gives the same episodes."""
     openai = pytest.importorskip("openai")
     actor = hf_actor(caller, tool_tok)
-    questions = [f"{a}*{b}" for a, b in PAIRS[:4]]
-    batch = SequenceSample.from_lists(
-        list(range(len(questions))),
-        {
-            "packed_prompts": [
-                torch.tensor(tool_tok(q, add_special_tokens=False)["input_ids"]) for q in questions
-            ]
-        },
-    )
-    interface = PPOActorInterface(
-        PPOActorArgs.model_validate(
-            {
-                "workflow": {"type_": "function_calling_agent", "args": {"max_total_tokens": 250}},
-                "generation": {"greedy": True, "max_new_tokens": 120},
-                "adv_norm": "none",
-            }
-        )
-    )
-    out = interface.generate(actor, batch, MicroBatchSpec())
+    out = generate_with({"type_": "function_calling_agent", "args": {"max_total_tokens": 250}}, actor)
     client = openai.OpenAI(base_url=f"http://{tool_server.address}/v1", api_key="unused", max_retries=0)
     for (a, b), ids, lm, pm in zip(
         PAIRS,
@@ -259,12 +256,34 @@ def test_a_function_calling_agent_generates_training_episodes(caller, tool_tok, 
         parts = [(own, tool_tok.decode(t)) for own, t in segments(ids, lm)]
         assert parts == [
             (own, text) for text, own in conversation(a, b)
-        ]  # call and answer train; tool turn not
+        ]  # call and answer train, tool turn not
         assert int(pm.sum()) == len(tool_tok(conversation(a, b)[0][0])["input_ids"])
         _, replies = EXAMPLE.function_calling_agent(client, f"{a}*{b}", temperature=0)
         served = replies[-1].choices[0]
         assert served.model_extra["prompt_token_ids"] + served.model_extra["token_ids"] == ids
     assert out.stats["episode/tool_call_rate"] == 1.0 and out.stats["episode/turns"] == 2
+
+    builtin = generate_with({"type_": "function_calling", "args": {"max_total_tokens": 250}}, actor)
+    for key in ("packed_input_ids", "prompt_mask", "loss_mask", "seq_no_eos_mask"):
+        assert torch.equal(builtin.data[key], out.data[key]), key
+    assert builtin.stats["episode/tool_calls"] == 1.0 and builtin.stats["episode/tool_errors"] == 0.0
+
+
+def test_function_calling_checks(ws, cli):
+    from arealcli.schema.components.workflows import FunctionCallingArgs
+
+    with pytest.raises(ValueError, match="allow_python: true"):
+        FunctionCallingArgs(tools=["python"])
+    with pytest.raises(ValueError, match="must allow max_turns"):
+        FunctionCallingArgs(max_turns=10, max_requests=4)
+    with pytest.raises(ValueError, match="did you mean 'calculator'"):
+        FunctionCallingArgs(tools=["calculater"])
+    from arealcli.runtime.agent import tool_schema
+
+    assert tool_schema("python")["function"]["parameters"]["required"] == ["code"]
+    assert tool_schema("calculator")["function"]["parameters"]["properties"] == {
+        "expression": {"type": "string"}
+    }
 
 
 def test_stop_texts_of_several_tokens_end_generation_on_every_engine(caller, tool_tok):

@@ -33,6 +33,7 @@ the model wrote (one trained sequence): a model that writes its calls as its tem
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,7 +51,7 @@ from arealcli.runtime.server.openai_api import (
 )
 from arealcli.runtime.workflows import Episode
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
-from arealcli.schema.components.workflows import AgentArgs
+from arealcli.schema.components.workflows import AgentArgs, FunctionCallingArgs
 
 # --------------------------------------------------------------------------- response objects
 
@@ -210,6 +211,7 @@ class AgentClient:
         self._tokenizer = batcher.tokenizer
         self.prompt_ids = prompt_ids
         self.requests: list[Request] = []
+        self.tool_calls = self.tool_errors = 0  # what `record_tool` counted
         self.completions = _Completions(self, chat=False)
         self.chat = _Chat(self)
 
@@ -325,6 +327,12 @@ class AgentClient:
         usage = Usage(len(prompt), len(ids), len(prompt) + len(ids))
         return Completion([choice], usage, "chat.completion" if chat else "text_completion")
 
+    def record_tool(self, ok: bool) -> None:
+        """Count a tool call the agent ran (and whether it failed) for the episode metrics; without any,
+        every request after the first counts as one call."""
+        self.tool_calls += 1
+        self.tool_errors += not ok
+
     def episode(self) -> Episode:
         """The recorded requests as one trained sequence (after the episode's prompt)."""
         if not self.requests:
@@ -354,7 +362,8 @@ class AgentClient:
             logprobs=logprobs[base:],
             no_eos=last.no_eos,
             turns=len(self.requests),
-            tool_calls=len(self.requests) - 1,
+            tool_calls=self.tool_calls or len(self.requests) - 1,
+            tool_errors=self.tool_errors,
             final=last.output_ids,
             versions=versions,
         )
@@ -401,3 +410,67 @@ class AgentWorkflow:
             if e is not None:
                 raise e
         return [c.episode() for c in clients]
+
+
+def tool_schema(name: str) -> dict[str, Any]:
+    """A registered tool as an OpenAI function: one string parameter, named as the tool function's own
+    first parameter (the calculator's `expression`, python's `code`)."""
+    import inspect
+
+    from arealcli.runtime.tools import get_tool
+    from arealcli.schema.registry import TOOLS
+
+    fn = get_tool(name)
+    try:
+        param = next(iter(inspect.signature(fn).parameters))
+    except (StopIteration, TypeError, ValueError):
+        param = "input"
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": TOOLS.get(name).description,
+            "parameters": {"type": "object", "properties": {param: {"type": "string"}}, "required": [param]},
+        },
+    }
+
+
+class FunctionCallingWorkflow(AgentWorkflow):
+    """Function calling through the model's chat template: the question as a user message (after an
+    optional system prompt), the registered tools offered as functions; each Hermes-style call is run
+    and answered with a `tool` message, until a reply without a call or `max_turns` replies."""
+
+    Args = FunctionCallingArgs
+
+    def __init__(self, args: FunctionCallingArgs):
+        from arealcli.runtime.tools import get_tool
+
+        super().__init__(args)
+        self.tools = {name: get_tool(name) for name in args.tools}
+        self.schemas = [tool_schema(name) for name in args.tools]
+
+    def episode(self, client: AgentClient, prompt: str) -> None:
+        from arealcli.runtime.workflows import run_tool
+
+        a = self.args
+        messages: list = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
+        messages.append({"role": "user", "content": prompt})
+        for _ in range(a.max_turns - 1):
+            message = client.chat.completions.create(model="policy", messages=messages, tools=self.schemas)
+            message = message.choices[0].message
+            if not message.tool_calls:
+                return
+            messages.append(message)
+            for call in message.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError:
+                    arguments = call.function.arguments
+                result, ok = run_tool(self.tools, call.function.name, arguments)
+                client.record_tool(ok)
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}
+                )
+        client.chat.completions.create(
+            model="policy", messages=messages, tools=self.schemas
+        )  # the last reply

@@ -30,6 +30,23 @@ from arealcli.schema.components.engine import GenerationHyperparameters, MicroBa
 from arealcli.schema.components.workflows import ToolUseArgs
 
 
+def run_tool(tools: dict, name: str, arg) -> tuple[str, bool]:
+    """(result text, ok) of calling tool `name` of `tools` with `arg`: a text, or JSON arguments (an
+    object with one value passes that value; others pass as JSON text). Every failure is a result the
+    model reads: no such tool, a ToolError, or a bug in the tool itself (the run goes on)."""
+    if isinstance(arg, dict) and len(arg) == 1:
+        arg = next(iter(arg.values()))
+    arg = arg if isinstance(arg, str) else json.dumps(arg)
+    if name not in tools:
+        return f"error: no tool {name!r} (tools: {', '.join(tools)})", False
+    try:
+        return tools[name](arg), True
+    except ToolError as e:
+        return f"error: {e}", False
+    except Exception as e:
+        return f"error: {type(e).__name__}: {e}", False
+
+
 @dataclass
 class Episode:
     tokens: list[int] = field(default_factory=list)  # after the prompt
@@ -64,20 +81,10 @@ class ToolUseWorkflow:
                 name, arg = call["name"], call.get("arguments", "")
             except (ValueError, KeyError, TypeError):
                 return 'error: a JSON tool call is {"name": ..., "arguments": ...}', False
-            if isinstance(arg, dict) and len(arg) == 1:
-                arg = next(iter(arg.values()))
-            arg = arg if isinstance(arg, str) else json.dumps(arg)
         elif len(self.tools) > 1:
             name, _, arg = text.partition(":")
             name = name.strip()
-        if name not in self.tools:
-            return f"error: no tool {name!r} (tools: {', '.join(self.tools)})", False
-        try:
-            return self.tools[name](arg), True
-        except ToolError as e:
-            return f"error: {e}", False
-        except Exception as e:  # a tool's own bug: the episode goes on, the run does not stop
-            return f"error: {type(e).__name__}: {e}", False
+        return run_tool(self.tools, name, arg)
 
     def run(
         self, engine, tokenizer, prompts: list[list[int]], gconfig: GenerationHyperparameters

@@ -23,7 +23,7 @@ from arealcli.schema.components.interfaces import (
     RewardArgs,
     SFTArgs,
 )
-from arealcli.schema.components.workflows import ToolUseArgs
+from arealcli.schema.components.workflows import FunctionCallingArgs, ToolUseArgs
 from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, REWARDS, TOOLS, WORKFLOWS, Entry
 
 _R = "arealcli.runtime"
@@ -119,6 +119,8 @@ for _name, _fn, _doc in [
     ("python", "python_tool", "Runs a Python program in a sandbox (no network, time and memory limits)."),
 ]:
     TOOLS.add(Entry(_name, f"{_R}.tools:{_fn}", NoArgs, _doc, "builtin"))
-WORKFLOWS.add(
-    Entry("tool_use", f"{_R}.workflows:ToolUseWorkflow", ToolUseArgs, ToolUseArgs.__doc__, "builtin")
-)
+for _name, _target, _args in [
+    ("tool_use", "workflows:ToolUseWorkflow", ToolUseArgs),
+    ("function_calling", "agent:FunctionCallingWorkflow", FunctionCallingArgs),
+]:
+    WORKFLOWS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__, "builtin"))
