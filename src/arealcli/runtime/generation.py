@@ -66,6 +66,21 @@ class StopTexts:
     def __init__(self, texts, decode: Callable[[list[int]], str]):
         self.texts, self.decode = tuple(texts), decode
         self.window = max(len(t) for t in self.texts) + 8
+        # A token can complete a text only if its own text holds that text's last character: checked on
+        # a per-token cache before decoding the window. Not for texts ending in whitespace (a tokenizer
+        # may drop a token's leading space when it is decoded alone).
+        self._last = {t[-1] for t in self.texts}
+        self._filter = not any(c.isspace() for c in self._last)
+        self._pieces: dict[int, str] = {}
+
+    def may_end(self, token: int) -> bool:
+        """Whether `token` can be the one that completes a stop text (cheap: no window decode)."""
+        if not self._filter:
+            return True
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self.decode([token])
+        return "\ufffd" in piece or any(c in piece for c in self._last)  # U+FFFD: part of a character
 
     def matched(self, ids: list[int]) -> str | None:
         """The stop text the end of `ids` contains (the earliest in the window), if any."""
@@ -179,7 +194,7 @@ def generate(
             for i, tok in enumerate(token.tolist()):
                 if not done[i]:
                     history[i].append(tok)
-                    if stop_texts.matched(history[i]) is not None:
+                    if stop_texts.may_end(tok) and stop_texts.matched(history[i]) is not None:
                         text_ends[i] = t + 1
             hit = torch.tensor([e is not None for e in text_ends], device=device)
             finished = finished | hit
