@@ -269,6 +269,21 @@ def test_a_function_calling_agent_generates_training_episodes(caller, tool_tok, 
     assert builtin.stats["episode/tool_calls"] == 1.0 and builtin.stats["episode/tool_errors"] == 0.0
 
 
+def test_a_reply_the_template_renders_otherwise_trains_as_the_model_wrote_it(caller, tool_tok):
+    """A template that writes a call's JSON otherwise than the model did (indented): the episode keeps
+    the model's own tokens for the call, then the template's text after it — the same episode as with
+    a template that renders the call as written."""
+    indented = copy.deepcopy(tool_tok)
+    indented.chat_template = TEMPLATE.replace("| tojson }}", "| tojson(indent=2) }}")
+    assert indented.chat_template != TEMPLATE
+    workflow = {"type_": "function_calling", "args": {"max_total_tokens": 250}}
+    same = generate_with(workflow, hf_actor(caller, tool_tok))
+    other = generate_with(workflow, hf_actor(caller, indented))
+    for key in ("packed_input_ids", "prompt_mask", "loss_mask"):
+        assert torch.equal(other.data[key], same.data[key]), key
+    assert other.stats["episode/tool_call_rate"] == 1.0
+
+
 def test_function_calling_checks(ws, cli):
     from arealcli.schema.components.workflows import FunctionCallingArgs
 

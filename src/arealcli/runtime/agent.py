@@ -27,8 +27,10 @@ names the one matched; `token_ids` keep every generated token).
 
 Function calling works as on `areal serve`: `tools` are rendered by the chat template, Hermes-style
 `<tool_call>{...}</tool_call>` calls come back as `message.tool_calls`, and the agent appends the
-message and `{"role": "tool", ...}` results as usual. The re-rendered conversation must reproduce what
-the model wrote (one trained sequence): a model that writes its calls as its template renders them does.
+message and `{"role": "tool", ...}` results as usual. When the template renders the model's last reply
+otherwise than the model wrote it (a call's JSON spaced differently, say), the reply stays as the
+model's own tokens and only the template's text after it is added: the trained sequence is what the
+model generated and saw.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class Request:
     logprobs: list[float]
     no_eos: bool
     versions: tuple[int | None, int | None]
+    rendered: str | None = None  # chat: the template's text the prompt stands for
 
 
 _SAMPLING = {"temperature", "top_p", "top_k"}
@@ -253,8 +256,10 @@ class AgentClient:
         except ProtocolError as e:
             raise UserError(f"an agent's request: {e}") from None
 
-    def _render(self, chat: bool, kwargs: dict, tools: list[dict] | None) -> list[int]:
+    def _render(self, chat: bool, kwargs: dict, tools: list[dict] | None) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and for chat the template's text they stand for."""
         tok = self._tokenizer
+        messages = None
         if chat:
             if not getattr(tok, "chat_template", None):
                 raise UserError("chat.completions needs a tokenizer with a chat template")
@@ -266,7 +271,7 @@ class AgentClient:
         else:
             text = kwargs["prompt"]
             if isinstance(text, list):
-                return list(text)
+                return list(text), None
         # Text that continues an earlier request keeps that request's tokens (the model's own: re-encoding
         # generated text may split it differently); only the new text is encoded.
         known = [r.prompt_ids + r.output_ids for r in reversed(self.requests)] + [self.prompt_ids]
@@ -274,14 +279,46 @@ class AgentClient:
             before = tok.decode(ids)
             if text.startswith(before):
                 rest = text[len(before) :]
-                return ids + (tok(rest, add_special_tokens=False)["input_ids"] if rest else [])
-        return tok(text, add_special_tokens=False)["input_ids"]
+                return ids + (tok(rest, add_special_tokens=False)["input_ids"] if rest else []), text
+        spliced = self._spliced(messages, tools, text) if messages else None
+        if spliced is not None:
+            return spliced, text
+        return tok(text, add_special_tokens=False)["input_ids"], text
+
+    def _spliced(self, messages: list[dict], tools, text: str) -> list[int] | None:
+        """When the template renders the model's last reply differently from how the model wrote it
+        (a tool call's JSON spaced otherwise, say), that reply stands as the model's own tokens: the
+        previous prompt and completion, then the template's text after the reply (its end of turn,
+        the tool results, the next generation prompt). None when the conversation does not line up
+        with the previous request (it is then encoded as a new prompt, and refused for training)."""
+        if not self.requests or self.requests[-1].rendered is None:
+            return None
+        last, tok = self.requests[-1], self._tokenizer
+        k = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+        if k is None:
+            return None
+
+        def render(upto: int, generation_prompt: bool) -> str:
+            return tok.apply_chat_template(
+                messages[:upto], tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+            )
+
+        head, through = render(k, True), render(k + 1, False)
+        if head != last.rendered or not through.startswith(head) or not text.startswith(through):
+            return None
+        turn = through[len(head) :]  # the reply as the template writes it, with its end of turn
+        ended = bool(last.output_ids) and not last.no_eos
+        end = tok.decode(last.output_ids[-1:]) if ended else (tok.eos_token or "")
+        at = turn.rfind(end) if end else -1
+        closing = "" if at < 0 else turn[at + len(end) :] if ended else turn[at:]
+        rest = closing + text[len(through) :]
+        return last.prompt_ids + last.output_ids + tok(rest, add_special_tokens=False)["input_ids"]
 
     def _create(self, chat: bool, kwargs: dict) -> Completion:
         self._sampling_check(kwargs)
         a, g = self._args, self._gconfig
         tools, parallel = self._tools(chat, kwargs)
-        prompt = self._render(chat, kwargs, tools)
+        prompt, rendered = self._render(chat, kwargs, tools)
         if len(self.requests) >= a.max_requests:
             raise UserError(f"an episode made more than max_requests={a.max_requests} requests")
         used = len(prompt) - len(self.prompt_ids)
@@ -295,7 +332,7 @@ class AgentClient:
             ids, lps = list(ids), list(lps)
         else:  # the episode's token budget is spent
             ids, lps, no_eos, versions = [], [], True, (None, None)
-        self.requests.append(Request(prompt, ids, lps, no_eos, versions))
+        self.requests.append(Request(prompt, ids, lps, no_eos, versions, rendered))
         tok = self._tokenizer
         reason, stopped_by, text = finish_of(
             ids,
