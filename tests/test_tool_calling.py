@@ -293,6 +293,20 @@ def test_function_calling_checks(ws, cli):
         FunctionCallingArgs(max_turns=10, max_requests=4)
     with pytest.raises(ValueError, match="did you mean 'calculator'"):
         FunctionCallingArgs(tools=["calculater"])
+    import yaml
+
+    from tests.test_agentic import agent_recipe, check_lines
+
+    recipe = yaml.safe_load(agent_recipe(ws).read_text())
+    recipe["dataflow"]["actor"]["workflow"] = {"type_": "function_calling"}
+    recipe["dataset"]["args"]["apply_chat_template"] = True
+    lines = check_lines(cli, ws.text("fc.yaml", yaml.safe_dump(recipe, sort_keys=False)))
+    assert any("tokenizer: the function_calling workflow needs a chat template" in x for x in lines)
+    assert any("dataset.args.apply_chat_template: " in x and "plain questions" in x for x in lines)
+    recipe["tokenizer"]["chat_template"] = TEMPLATE
+    del recipe["dataset"]["args"]["apply_chat_template"]
+    assert cli("check", ws.text("fc.yaml", yaml.safe_dump(recipe, sort_keys=False))).exit_code == 0
+
     from arealcli.runtime.agent import tool_schema
 
     assert tool_schema("python")["function"]["parameters"]["required"] == ["code"]

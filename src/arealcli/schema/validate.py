@@ -565,6 +565,7 @@ def validate(src: Located) -> Recipe:
             _at(recipe, path).args = typed[path]
         _paths_from_the_shell(recipe, src)
         problems.extend(Problem(path, msg) for path, msg in plan.plan_problems(recipe))
+        problems.extend(_check_chat_workflows(recipe))
     problems.extend(_check_graph(data, typed))
     if preset_problems:  # the dataflow was not expanded: what else is said of it is noise
         problems = preset_problems + [p for p in problems if p.path[:1] != ("dataflow",)]
@@ -573,6 +574,39 @@ def validate(src: Located) -> Recipe:
         raise RecipeInvalid(problems, src)
     assert recipe is not None
     return recipe
+
+
+def _check_chat_workflows(recipe: Recipe) -> list[Problem]:
+    """The `function_calling` workflow renders whole conversations with the chat template: its prompts
+    must be plain questions, and the tokenizer must have a template."""
+    uses = any(
+        getattr(getattr(call.interface.args, "workflow", None), "type_", None) == "function_calling"
+        for call in recipe.dataflow.calls
+    )
+    if not uses:
+        return []
+    problems = []
+    for name in ("dataset", "eval_dataset"):
+        spec = getattr(recipe, name)
+        if spec is not None and getattr(spec.args, "apply_chat_template", False):
+            problems.append(
+                Problem(
+                    (name, "args", "apply_chat_template"),
+                    "the function_calling workflow renders the conversation with the chat template itself: "
+                    "give it plain questions (apply_chat_template: false)",
+                    True,
+                )
+            )
+    tok = recipe.tokenizer
+    if tok is not None and tok.kind == "char" and tok.chat_template is None:
+        problems.append(
+            Problem(
+                ("tokenizer",),
+                "the function_calling workflow needs a chat template; the char tokenizer has none "
+                "(set tokenizer.chat_template, one that writes <tool_call> calls)",
+            )
+        )
+    return problems
 
 
 def plugin_paths(recipe_dir: Path) -> None:
