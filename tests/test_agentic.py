@@ -687,8 +687,21 @@ class Hot(AgentWorkflow):
         client.completions.create(model="p", prompt=prompt, max_tokens=3, temperature=0.3)
 
 
+class Hung(AgentWorkflow):
+    # the second episode's tool never answers
+
+    def episode(self, client, prompt):
+        call = client.completions.create(model="p", prompt=prompt, max_tokens=3)
+        if "205" in prompt:
+            import time
+
+            time.sleep(30)
+        client.completions.create(model="p", prompt=prompt + call.choices[0].text + "=", max_tokens=3)
+
+
 register_workflow("rewriter", Rewriter)
 register_workflow("hot", Hot)
+register_workflow("hung", Hung)
 """
 
 
@@ -705,6 +718,11 @@ def test_agent_mistakes_are_clear_errors(trained, char_tok, tmp_path, monkeypatc
         actor_interface(workflow={"type_": "rewriter"}).generate(actor, batch, MicroBatchSpec())
     with pytest.raises(UserError, match="temperature=0.3.*recipe's generation"):
         actor_interface(workflow={"type_": "hot"}).generate(actor, batch, MicroBatchSpec())
+    hung = actor_interface(workflow={"type_": "hung", "args": {"episode_timeout_s": 1}})
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"episode\(s\) \[1\] neither asked the model nor finished for 1 s"):
+        hung.generate(actor, batch, MicroBatchSpec())
+    assert time.monotonic() - start < 10
 
 
 CHAT_AGENT_PLUGIN = """

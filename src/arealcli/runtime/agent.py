@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,16 +118,20 @@ class Completion:
 class _Batcher:
     """Gathers the requests of concurrently running episodes into batched generate calls."""
 
-    def __init__(self, engine, tokenizer, running: int):
+    def __init__(self, engine, tokenizer, running: int, timeout_s: float = float("inf")):
         self.engine, self.tokenizer = engine, tokenizer
         self.cv = threading.Condition()
         self.pending: list[tuple[int, list[int], GenerationHyperparameters, dict]] = []
-        self.running = running
+        self.running, self.episodes = running, running
+        self.done: set[int] = set()
+        self.timeout_s = timeout_s
+        self.progress = time.monotonic()  # when an episode last asked the model, finished, or got an answer
 
     def request(self, episode: int, prompt: list[int], g: GenerationHyperparameters) -> tuple:
         slot: dict = {}
         with self.cv:
             self.pending.append((episode, prompt, g, slot))
+            self.progress = time.monotonic()
             self.cv.notify_all()
             while "out" not in slot:
                 self.cv.wait()
@@ -134,17 +139,31 @@ class _Batcher:
             raise slot["out"]
         return slot["out"]
 
-    def finished(self) -> None:
+    def finished(self, episode: int) -> None:
         with self.cv:
             self.running -= 1
+            self.done.add(episode)
+            self.progress = time.monotonic()
             self.cv.notify_all()
 
+    def _stuck(self) -> None:
+        waiting = {item[0] for item in self.pending}
+        stuck = [i for i in range(self.episodes) if i not in self.done and i not in waiting]
+        raise UserError(
+            f"agent episode(s) {stuck} neither asked the model nor finished for {self.timeout_s:g} s "
+            "(a tool or an agent that hangs?); give them longer with the workflow's episode_timeout_s"
+        )
+
     def serve(self) -> None:
-        """Run in the calling thread until every episode has finished."""
+        """Run in the calling thread until every episode has finished; an episode that neither asks the
+        model nor finishes for `timeout_s` stops it with an error."""
         while True:
             with self.cv:
                 while self.running > 0 and len(self.pending) < self.running:
-                    self.cv.wait()
+                    left = self.progress + self.timeout_s - time.monotonic()
+                    if left <= 0:
+                        self._stuck()
+                    self.cv.wait(min(left, 3600.0))
                 if self.running == 0 and not self.pending:
                     return
                 batch, self.pending = sorted(self.pending, key=lambda r: r[0]), []
@@ -166,6 +185,7 @@ class _Batcher:
                 with self.cv:
                     for item, result in zip(items, results, strict=True):
                         item[3]["out"] = result
+                    self.progress = time.monotonic()  # the agents' time starts when they have the answers
                     self.cv.notify_all()
 
 
@@ -422,7 +442,7 @@ class AgentWorkflow:
     def run(
         self, engine, tokenizer, prompts: list[list[int]], gconfig: GenerationHyperparameters
     ) -> list[Episode]:
-        batcher = _Batcher(engine, tokenizer, len(prompts))
+        batcher = _Batcher(engine, tokenizer, len(prompts), getattr(self.args, "episode_timeout_s", 600.0))
         clients = [AgentClient(batcher, i, p, gconfig, self.args) for i, p in enumerate(prompts)]
         errors: list[BaseException | None] = [None] * len(prompts)
 
@@ -432,7 +452,7 @@ class AgentWorkflow:
             except BaseException as e:  # raised in the trainer below, with the first episode's error
                 errors[i] = e
             finally:
-                batcher.finished()
+                batcher.finished(i)
 
         threads = [
             threading.Thread(target=play, args=(i,), name=f"agent-{i}", daemon=True)

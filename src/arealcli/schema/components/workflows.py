@@ -61,6 +61,12 @@ class AgentArgs(StrictModel):
         64, le=1 << 20, description="Token budget of an episode after its prompt (model and inserted tokens)."
     )
     max_requests: PositiveInt = Field(8, le=1024, description="Requests to the model per episode.")
+    episode_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="An episode that neither asks the model nor finishes for this long (a hung tool or "
+        "agent) stops the run with an error.",
+    )
 
 
 class FunctionCallingArgs(AgentArgs, ToolSet):
