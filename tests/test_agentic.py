@@ -610,6 +610,27 @@ def test_tool_calls_as_text_or_as_chat_template_json():
     assert two._call("calculator: 7*6") == ("42", True)
 
 
+def test_a_tool_that_hangs_answers_with_an_error():
+    import threading
+
+    from arealcli.runtime.workflows import run_tool
+
+    release = threading.Event()
+
+    def stuck(arg: str) -> str:
+        release.wait()
+        return "late"
+
+    start = time.monotonic()
+    assert run_tool({"stuck": stuck}, "stuck", "x", timeout_s=0.2) == (
+        "error: stuck gave no answer within 0.2 s",
+        False,
+    )
+    assert time.monotonic() - start < 2
+    release.set()
+    assert run_tool({"calc": calculator}, "calc", {"expression": "6*7"}) == ("42", True)
+
+
 def test_check_wants_a_value_head_on_critics_only(ws, cli):
     recipe = yaml.safe_load(agent_recipe(ws).read_text())
     recipe["models"]["critic"] = {"init_from": "actor", "backend": recipe["models"]["actor"]["backend"]}

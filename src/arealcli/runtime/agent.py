@@ -523,7 +523,7 @@ class FunctionCallingWorkflow(AgentWorkflow):
                     arguments = json.loads(call.function.arguments)
                 except ValueError:
                     arguments = call.function.arguments
-                result, ok = run_tool(self.tools, call.function.name, arguments)
+                result, ok = run_tool(self.tools, call.function.name, arguments, a.tool_timeout_s)
                 client.record_tool(ok)
                 messages.append(
                     {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}

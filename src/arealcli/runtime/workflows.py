@@ -19,6 +19,7 @@ A workflow of your own: a class with `Args` and `run(engine, tokenizer, prompts,
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -30,21 +31,30 @@ from arealcli.schema.components.engine import GenerationHyperparameters, MicroBa
 from arealcli.schema.components.workflows import ToolUseArgs
 
 
-def run_tool(tools: dict, name: str, arg) -> tuple[str, bool]:
+def run_tool(tools: dict, name: str, arg, timeout_s: float = 60.0) -> tuple[str, bool]:
     """(result text, ok) of calling tool `name` of `tools` with `arg`: a text, or JSON arguments (an
     object with one value passes that value; others pass as JSON text). Every failure is a result the
-    model reads: no such tool, a ToolError, or a bug in the tool itself (the run goes on)."""
+    model reads: no such tool, a ToolError, a bug in the tool itself, or no answer within `timeout_s`
+    (the call is left to finish on its own thread; the run goes on)."""
     if isinstance(arg, dict) and len(arg) == 1:
         arg = next(iter(arg.values()))
     arg = arg if isinstance(arg, str) else json.dumps(arg)
     if name not in tools:
         return f"error: no tool {name!r} (tools: {', '.join(tools)})", False
-    try:
-        return tools[name](arg), True
-    except ToolError as e:
-        return f"error: {e}", False
-    except Exception as e:
-        return f"error: {type(e).__name__}: {e}", False
+    answer: list[tuple[str, bool]] = []
+
+    def call() -> None:
+        try:
+            answer.append((str(tools[name](arg)), True))
+        except ToolError as e:
+            answer.append((f"error: {e}", False))
+        except Exception as e:
+            answer.append((f"error: {type(e).__name__}: {e}", False))
+
+    worker = threading.Thread(target=call, name=f"tool-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return answer[0] if answer else (f"error: {name} gave no answer within {timeout_s:g} s", False)
 
 
 @dataclass
@@ -84,7 +94,7 @@ class ToolUseWorkflow:
         elif len(self.tools) > 1:
             name, _, arg = text.partition(":")
             name = name.strip()
-        return run_tool(self.tools, name, arg)
+        return run_tool(self.tools, name, arg, self.args.tool_timeout_s)
 
     def run(
         self, engine, tokenizer, prompts: list[list[int]], gconfig: GenerationHyperparameters

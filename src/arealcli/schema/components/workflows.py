@@ -14,6 +14,9 @@ class ToolSet(StrictModel):
         default_factory=lambda: ["calculator"], description="Registered tools it may call."
     )
     allow_python: bool = Field(False, description="Enable the python tool (code execution in a sandbox).")
+    tool_timeout_s: float = Field(
+        60.0, gt=0, description="A tool call with no answer after this long returns an error to the model."
+    )
 
     @field_validator("tools")
     @classmethod
