@@ -307,7 +307,7 @@ def test_function_calling_checks(ws, cli):
     del recipe["dataset"]["args"]["apply_chat_template"]
     assert cli("check", ws.text("fc.yaml", yaml.safe_dump(recipe, sort_keys=False))).exit_code == 0
 
-    from arealcli.runtime.agent import tool_schema
+    from arealcli.runtime.function_calling import tool_schema
 
     assert tool_schema("python")["function"]["parameters"]["required"] == ["code"]
     assert tool_schema("calculator")["function"]["parameters"]["properties"] == {

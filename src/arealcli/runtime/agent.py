@@ -35,7 +35,6 @@ model generated and saw.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,7 +53,7 @@ from arealcli.runtime.server.openai_api import (
 )
 from arealcli.runtime.workflows import Episode
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
-from arealcli.schema.components.workflows import AgentArgs, FunctionCallingArgs
+from arealcli.schema.components.workflows import AgentArgs
 
 # --------------------------------------------------------------------------- response objects
 
@@ -467,67 +466,3 @@ class AgentWorkflow:
             if e is not None:
                 raise e
         return [c.episode() for c in clients]
-
-
-def tool_schema(name: str) -> dict[str, Any]:
-    """A registered tool as an OpenAI function: one string parameter, named as the tool function's own
-    first parameter (the calculator's `expression`, python's `code`)."""
-    import inspect
-
-    from arealcli.runtime.tools import get_tool
-    from arealcli.schema.registry import TOOLS
-
-    fn = get_tool(name)
-    try:
-        param = next(iter(inspect.signature(fn).parameters))
-    except (StopIteration, TypeError, ValueError):
-        param = "input"
-    return {
-        "type": "function",
-        "function": {
-            "name": name,
-            "description": TOOLS.get(name).description,
-            "parameters": {"type": "object", "properties": {param: {"type": "string"}}, "required": [param]},
-        },
-    }
-
-
-class FunctionCallingWorkflow(AgentWorkflow):
-    """Function calling through the model's chat template: the question as a user message (after an
-    optional system prompt), the registered tools offered as functions; each Hermes-style call is run
-    and answered with a `tool` message, until a reply without a call or `max_turns` replies."""
-
-    Args = FunctionCallingArgs
-
-    def __init__(self, args: FunctionCallingArgs):
-        from arealcli.runtime.tools import get_tool
-
-        super().__init__(args)
-        self.tools = {name: get_tool(name) for name in args.tools}
-        self.schemas = [tool_schema(name) for name in args.tools]
-
-    def episode(self, client: AgentClient, prompt: str) -> None:
-        from arealcli.runtime.workflows import run_tool
-
-        a = self.args
-        messages: list = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
-        messages.append({"role": "user", "content": prompt})
-        for _ in range(a.max_turns - 1):
-            message = client.chat.completions.create(model="policy", messages=messages, tools=self.schemas)
-            message = message.choices[0].message
-            if not message.tool_calls:
-                return
-            messages.append(message)
-            for call in message.tool_calls:
-                try:
-                    arguments = json.loads(call.function.arguments)
-                except ValueError:
-                    arguments = call.function.arguments
-                result, ok = run_tool(self.tools, call.function.name, arguments, a.tool_timeout_s)
-                client.record_tool(ok)
-                messages.append(
-                    {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}
-                )
-        client.chat.completions.create(
-            model="policy", messages=messages, tools=self.schemas
-        )  # the last reply

@@ -121,6 +121,6 @@ for _name, _fn, _doc in [
     TOOLS.add(Entry(_name, f"{_R}.tools:{_fn}", NoArgs, _doc, "builtin"))
 for _name, _target, _args in [
     ("tool_use", "workflows:ToolUseWorkflow", ToolUseArgs),
-    ("function_calling", "agent:FunctionCallingWorkflow", FunctionCallingArgs),
+    ("function_calling", "function_calling:FunctionCallingWorkflow", FunctionCallingArgs),
 ]:
     WORKFLOWS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__, "builtin"))
