@@ -378,3 +378,77 @@ def test_tool_use_with_multi_token_tags(caller, tool_tok):
         ]
         assert parts == [(True, call_text(a, b)), (False, f"<eos>\nr: {a * b}\na: "), (True, f"{a * b}<eos>")]
     assert out.stats["episode/tool_call_rate"] == 1.0 and out.stats["episode/tool_errors"] == 0
+
+
+def fc_rows(pairs) -> list[dict]:
+    """Worked function-calling episodes in OpenAI messages (the SFT warm-up of a function_calling run)."""
+    return [
+        {
+            "prompt": f"{a}*{b}",
+            "answer": str(a * b),
+            "episode": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_0",
+                            "type": "function",
+                            "function": {
+                                "name": "calculator",
+                                "arguments": json.dumps({"expression": f"{a}*{b}"}),
+                            },
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_0", "content": str(a * b)},
+                {"role": "assistant", "content": str(a * b)},
+            ],
+        }
+        for a, b in pairs
+    ]
+
+
+def test_warm_up_episodes_are_what_the_function_calling_workflow_generates(caller, tool_tok, tmp_path):
+    """`episode_tools`: a worked episode renders to the very tokens the workflow's episode has (plus the
+    template's newline after the last turn); the loss is on the model's replies; the prompt for
+    generation stays the plain question."""
+    from arealcli.errors import DataError
+    from arealcli.runtime.datasets import PromptAnswerDataset
+    from arealcli.schema.components.datasets import PromptAnswerArgs
+    from tests.conftest import write_jsonl
+
+    write_jsonl(tmp_path / "fc.jsonl", fc_rows(PAIRS[:4]))
+    args = PromptAnswerArgs(
+        path="fc.jsonl", episode_key="episode", episode_tools=["calculator"], max_length=256
+    )
+    data = PromptAnswerDataset(args, tool_tok, tmp_path).collate([0, 1, 2, 3])
+    rl = generate_with(
+        {"type_": "function_calling", "args": {"max_total_tokens": 250}}, hf_actor(caller, tool_tok)
+    )
+    newline = tool_tok("\n", add_special_tokens=False)["input_ids"]
+    for (a, b), sft_ids, sft_mask, pm, prompt, ids, mask in zip(
+        PAIRS,
+        data.unpack("packed_input_ids"),
+        data.unpack("loss_mask"),
+        data.unpack("prompt_mask"),
+        data.unpack("packed_prompts"),
+        rl.unpack("packed_input_ids"),
+        rl.unpack("loss_mask"),
+        strict=False,
+    ):
+        assert tool_tok.decode(prompt) == f"{a}*{b}"  # what the workflow gets
+        assert sft_ids.tolist() == ids.tolist() + newline
+        assert tool_tok.decode(sft_ids[pm]) == f"tools: calculator\nu: {a}*{b}\na: "
+        extra = sft_mask[: len(mask)] & ~mask.bool()  # SFT also learns the template's newline after <eos>
+        assert (mask.bool() <= sft_mask[: len(mask)]).all() and set(
+            tool_tok.decode(sft_ids[: len(mask)][extra])
+        ) == {"\n"}
+
+    bad = fc_rows(PAIRS[:1])
+    bad[0]["episode"][0]["tool_calls"][0]["function"]["arguments"] = "{oops"
+    write_jsonl(tmp_path / "bad.jsonl", bad)
+    with pytest.raises(DataError, match=r"bad.jsonl:1: 'episode': .*arguments is not JSON"):
+        PromptAnswerDataset(args.model_copy(update={"path": "bad.jsonl"}), tool_tok, tmp_path)
+    with pytest.raises(ValueError, match="set episode_key too"):
+        PromptAnswerArgs(path="x.jsonl", episode_tools=["calculator"])

@@ -48,27 +48,32 @@ def with_system(messages: list[dict], system_prompt: str | None) -> list[dict]:
     return messages
 
 
-def _text(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _text(tokenizer, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+    )
 
 
-def render_prompt(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
-    """(text, ids) of a prompt conversation followed by the generation prompt."""
-    text = _text(tokenizer, messages, generation_prompt=True)
+def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    """(text, ids) of a prompt conversation followed by the generation prompt (`tools`: OpenAI function
+    schemas the template renders)."""
+    text = _text(tokenizer, messages, True, tools)
     return text, tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def render_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+def render_conversation(
+    tokenizer, messages: list[dict], tools: list[dict] | None = None
+) -> tuple[list[int], list[bool]]:
     """(ids, loss mask) of a whole conversation: the mask is True on the tokens of assistant messages
-    (their content and the template's end of turn), False on everything else."""
-    full = _text(tokenizer, messages, generation_prompt=False)
+    (their content, tool calls and the template's end of turn), False on everything else."""
+    full = _text(tokenizer, messages, False, tools)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        start = len(_text(tokenizer, messages[:i], generation_prompt=True))
-        end = len(_text(tokenizer, messages[: i + 1], generation_prompt=False))
-        if full[:end] != _text(tokenizer, messages[: i + 1], generation_prompt=False):
+        start = len(_text(tokenizer, messages[:i], True, tools))
+        end = len(_text(tokenizer, messages[: i + 1], False, tools))
+        if full[:end] != _text(tokenizer, messages[: i + 1], False, tools):
             raise DataError(
                 "the chat template does not render a conversation turn by turn; cannot find its assistant tokens"
             )

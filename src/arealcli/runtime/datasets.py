@@ -144,7 +144,7 @@ class PromptAnswerDataset:
 
     def __init__(self, args: PromptAnswerArgs, tokenizer, base_dir: str | Path = "."):
         self.args, self.tokenizer = args, tokenizer
-        if args.messages_key is not None or args.apply_chat_template:
+        if args.messages_key is not None or args.apply_chat_template or args.episode_tools is not None:
             require_template(tokenizer)
         self.path, rows, self.notes = self._read(args, base_dir)
         self.items, dropped, cut = [], [], []
@@ -206,7 +206,11 @@ class PromptAnswerDataset:
             if _text(prompt) is None or (isinstance(prompt, str) and not prompt):
                 return f"{a.prompt_key!r} must be a non-empty text, got {_kind(prompt) if prompt != '' else 'an empty text'}"
         if a.episode_key is not None and row.get(a.episode_key) is not None:
-            problem = _episode_problem(row[a.episode_key], a.episode_key)
+            problem = (
+                _chat_episode_problem(row[a.episode_key], a.episode_key)
+                if a.episode_tools is not None
+                else _episode_problem(row[a.episode_key], a.episode_key)
+            )
             if problem:
                 return problem
         answer = row[a.answer_key]
@@ -233,6 +237,8 @@ class PromptAnswerDataset:
         answers = row[a.answer_key] if isinstance(row[a.answer_key], list) else [row[a.answer_key]]
         answers = [_text(x) for x in answers]
         episode = row.get(a.episode_key) if a.episode_key is not None else None
+        if a.episode_tools is not None and episode is not None:
+            return self._chat_episode(index, prompt, prompt_ids, episode, answers)
         turns = episode if episode is not None else [{"role": "assistant", "content": answers[0]}]
         answer_ids, answer_mask = [], []
         for turn in turns:  # each turn tokenized on its own, as the workflow appends them
@@ -245,9 +251,34 @@ class PromptAnswerDataset:
         return {
             "id": index,
             "prompt_ids": prompt_ids,
+            "prompt_len": len(prompt_ids),
             "input_ids": full[: a.max_length],
             "loss_mask": ([False] * len(prompt_ids) + answer_mask)[: a.max_length],
             "truncated": len(full) > a.max_length,
+            "prompt": prompt,
+            "answers": answers,
+        }
+
+    def _chat_episode(self, index: int, prompt: str, prompt_ids: list[int], episode: list, answers) -> dict:
+        """A worked episode as the function_calling workflow renders it: the SFT sequence is the
+        conversation [system?, user: prompt, *episode] in the chat template with the tools offered, the
+        loss on assistant turns; the prompt (for generation) stays the plain question."""
+        from arealcli.runtime.function_calling import tool_schema
+        from arealcli.runtime.server.openai_api import chat_message
+
+        a, tok = self.args, self.tokenizer
+        tools = [tool_schema(name) for name in a.episode_tools]
+        head = with_system([{"role": "user", "content": prompt}], a.system_prompt)
+        messages = head + [chat_message(m, i) for i, m in enumerate(episode)]
+        ids, mask = render_conversation(tok, messages, tools)
+        rendered_prompt = render_prompt(tok, head, tools)[1]
+        return {
+            "id": index,
+            "prompt_ids": prompt_ids,
+            "prompt_len": len(rendered_prompt),
+            "input_ids": ids[: a.max_length],
+            "loss_mask": mask[: a.max_length],
+            "truncated": len(ids) > a.max_length,
             "prompt": prompt,
             "answers": answers,
         }
@@ -265,8 +296,8 @@ class PromptAnswerDataset:
                 "packed_input_ids": [torch.tensor(it["input_ids"]) for it in items],
                 "prompt_mask": [
                     torch.tensor(
-                        [1] * min(len(it["prompt_ids"]), len(it["input_ids"]))
-                        + [0] * max(0, len(it["input_ids"]) - len(it["prompt_ids"])),
+                        [1] * min(it["prompt_len"], len(it["input_ids"]))
+                        + [0] * max(0, len(it["input_ids"]) - it["prompt_len"]),
                         dtype=torch.bool,
                     )
                     for it in items
@@ -290,6 +321,25 @@ def _episode_problem(episode: Any, key: str) -> str | None:
         if not isinstance(turn["content"], str) or not turn["content"]:
             return f"{key!r} turn {i}: content must be a non-empty text"
     if not any(t["role"] == "assistant" for t in episode):
+        return f"{key!r} has no assistant turn: nothing to learn"
+    return None
+
+
+def _chat_episode_problem(episode: Any, key: str) -> str | None:
+    """What is wrong with a worked episode in OpenAI messages (assistant turns with `tool_calls`, `tool`
+    turns), or None."""
+    from arealcli.runtime.server.openai_api import ProtocolError, chat_message
+
+    if not isinstance(episode, list) or not episode:
+        return f"{key!r} must be a non-empty list of messages, got {_kind(episode)}"
+    for i, m in enumerate(episode):
+        try:
+            message = chat_message(m, i)
+        except ProtocolError as e:
+            return f"{key!r}: {e}"
+        if message["role"] not in ("assistant", "tool"):
+            return f"{key!r} message {i}: role must be 'assistant' or 'tool', got {message['role']!r}"
+    if not any(m["role"] == "assistant" for m in episode):
         return f"{key!r} has no assistant turn: nothing to learn"
     return None
 

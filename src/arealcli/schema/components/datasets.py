@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
 from arealcli.schema.base import StrictModel
 
@@ -47,6 +47,31 @@ class PromptAnswerArgs(DataSourceArgs):
         "workflow writes it (e.g. a tool call, its result, the answer): the SFT sequence is the prompt + "
         "those turns, the loss on assistant turns only. Rows without it train on their answer.",
     )
+    episode_tools: list[str] | None = Field(
+        None,
+        description="Render worked episodes as the function_calling workflow's conversations: the chat "
+        "template with these registered tools offered, the prompt as a user message, then the episode's "
+        "messages (assistant turns with OpenAI `tool_calls`, `tool` turns). Prompts stay plain questions.",
+    )
+
+    @model_validator(mode="after")
+    def _tools_for_episodes(self) -> PromptAnswerArgs:
+        if self.episode_tools is None:
+            return self
+        if self.episode_key is None:
+            raise ValueError("episode_tools renders worked episodes: set episode_key too")
+        if self.apply_chat_template or self.messages_key is not None:
+            raise ValueError(
+                "with episode_tools the prompts stay plain questions: drop apply_chat_template / messages_key"
+            )
+        from arealcli.schema.registry import TOOLS, RegistryError
+
+        for name in self.episode_tools:
+            try:
+                TOOLS.get(name)
+            except RegistryError as e:
+                raise ValueError(str(e)) from None
+        return self
 
 
 class ChatArgs(DataSourceArgs):
