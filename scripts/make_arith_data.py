@@ -6,7 +6,10 @@ Tasks (train and test share no prompt):
   mul   {"prompt": "417*38=", "answer": "15846",        -> data/mul  (the agent quickstart: the tiny
          "episode": [{"role": "assistant", "content": "[417*38]"},    model cannot multiply, but it
                      {"role": "tool", "content": "=15846 "},          can learn to call the calculator)
-                     {"role": "assistant", "content": "15846"}]}
+                     {"role": "assistant", "content": "15846"}],
+         "fc_episode": [...]}  the same episode as OpenAI messages (an assistant turn with a
+                               calculator tool call, the tool's answer, the answer): the
+                               function-calling quickstart's warm-up
 Usage: python scripts/make_arith_data.py [--task add|max3|mul] [--out DIR] [--seed 0]
 """
 
@@ -52,7 +55,19 @@ def make_mul(seed: int, n: int) -> list[dict]:
             {"role": "tool", "content": f"={a * b} "},
             {"role": "assistant", "content": str(a * b)},
         ]
-        rows.append({"prompt": f"{a}*{b}=", "answer": str(a * b), "episode": episode})
+        call = {
+            "id": "call_0",
+            "type": "function",
+            "function": {"name": "calculator", "arguments": json.dumps({"expression": f"{a}*{b}"})},
+        }
+        fc_episode = [
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": str(a * b)},
+            {"role": "assistant", "content": str(a * b)},
+        ]
+        rows.append(
+            {"prompt": f"{a}*{b}=", "answer": str(a * b), "episode": episode, "fc_episode": fc_episode}
+        )
     return rows
 
 
