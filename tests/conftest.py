@@ -162,3 +162,27 @@ def load_example(name: str):
         return importlib.import_module(name)
     finally:
         sys.path.remove(str(REPO / "examples"))
+
+
+class Crash(Exception):
+    """A crash injected into a run (a kill between steps, without the process dying)."""
+
+
+def train_until_crash(recipe: Path, run_dir: Path, step: int) -> None:
+    """Train `recipe` into `run_dir` and crash during step `step` (its checkpoints so far are kept)."""
+    from arealcli.runtime.trainer import Trainer
+    from arealcli.schema.source import load_recipe_source
+    from arealcli.schema.validate import validate
+
+    def crash(at: int, total, stats, log_now) -> None:
+        if at == step:
+            raise Crash
+
+    trainer = Trainer(validate(load_recipe_source(recipe)), recipe.parent, run_dir)
+    trainer.progress = crash
+    trainer.setup()
+    try:
+        with pytest.raises(Crash):
+            trainer.train()
+    finally:
+        trainer.close()

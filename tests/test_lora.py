@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from arealcli.runtime.trainer import Trainer
 from arealcli.schema.source import apply_overrides, load_recipe_source
 from arealcli.schema.validate import RecipeInvalid, validate
-from tests.conftest import TINY_ARCH, sft_recipe
+from tests.conftest import TINY_ARCH, sft_recipe, train_until_crash
 
 LORA = {"rank": 4, "alpha": 8.0}
 
@@ -28,14 +28,13 @@ def lora_recipe(ws, name: str = "lora.yaml", **update):
     return ws.text(name, yaml.safe_dump(recipe, sort_keys=False))
 
 
-def run(path, run_dir, resume=False, progress=None, overrides=()):
+def run(path, run_dir, resume=False, overrides=()):
     trainer = Trainer(
         validate(apply_overrides(load_recipe_source(path), list(overrides))),
         path.parent,
         run_dir,
         resume=resume,
     )
-    trainer.progress = progress
     trainer.setup()
     try:
         trainer.train()
@@ -88,22 +87,13 @@ def test_only_adapters_train_and_the_export_is_the_merge(ws):
     assert losses[-1] < losses[0]
 
 
-class Crash(Exception):
-    pass
-
-
 @pytest.mark.parametrize("backend", ["hf", "fsdp"])
 def test_lora_resume_is_exact(ws, backend):
     """Crash at step 4, resume, run to 6 == 6 uninterrupted steps: merged export, adapters, losses."""
     path = lora_recipe(ws) if backend == "hf" else fsdp_lora_recipe(ws)
     run(path, ws.root / "full")
 
-    def crash_at_4(step, total, stats, log_now):
-        if step == 4:
-            raise Crash
-
-    with pytest.raises(Crash):
-        run(path, ws.root / "crashed", progress=crash_at_4)
+    train_until_crash(path, ws.root / "crashed", step=4)
     run(path, ws.root / "crashed", resume=True)
     for a, b in zip(exported(ws.root / "full"), exported(ws.root / "crashed"), strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

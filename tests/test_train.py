@@ -16,6 +16,7 @@ from arealcli.runtime import checkpoint as ckpt
 from arealcli.runtime.trainer import Trainer
 from arealcli.schema.source import load_recipe_source
 from arealcli.schema.validate import validate
+from tests.conftest import train_until_crash
 
 EVAL = {"type_": "prompt_answer", "args": {"path": "test.jsonl"}, "batch_size": 16}
 
@@ -61,27 +62,15 @@ def test_sft_loss_and_eval_nll_fall(ws, cli):
 # --------------------------------------------------------------------------- resume
 
 
-class Crash(Exception):
-    pass
-
-
 def test_resume_is_exact(ws, cli):
     # Shuffled data, warmup + cosine LR, AdamW state and two micro-batches: resume must restore them all.
     recipe = ws.recipe(trainer={"total_train_epochs": 2, "max_steps": 6, "save_every_n_steps": 3})
     full, crashed = ws.root / "full", ws.root / "crashed"
     train_ok(cli, recipe, "-o", full)
 
-    # The same run, killed during step 4 (after the step-3 checkpoint).
-    def crash_at_4(step, total, stats, log_now):
-        if step == 4:
-            raise Crash
-
-    trainer = Trainer(validate(load_recipe_source(recipe)), recipe.parent, crashed)
-    trainer.progress = crash_at_4
-    trainer.setup()
-    with pytest.raises(Crash):
-        trainer.train()
-    trainer.close()
+    train_until_crash(
+        recipe, crashed, step=4
+    )  # the same run, killed during step 4 (after the step-3 checkpoint)
     assert ckpt.latest_checkpoint(crashed / "checkpoints").name == "step_00000003"
 
     result = train_ok(cli, recipe, "-o", crashed, "--resume")
@@ -330,16 +319,7 @@ def test_resume_refuses_a_different_recipe_and_records_allowed_changes(ws, cli, 
     recipe = ws.recipe(trainer={"max_steps": 4, "save_every_n_steps": 2})
     run = ws.root / "run"
 
-    def crash_at_3(step, total, stats, log_now):
-        if step == 3:
-            raise Crash
-
-    trainer = Trainer(validate(load_recipe_source(recipe)), recipe.parent, run)
-    trainer.progress = crash_at_3
-    trainer.setup()
-    with pytest.raises(Crash):
-        trainer.train()
-    trainer.close()
+    train_until_crash(recipe, run, step=3)
     saved = (run / "recipe.yaml").read_text()
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
 

@@ -15,7 +15,7 @@ import yaml
 from arealcli.runtime.trainer import Trainer
 from arealcli.schema.source import load_recipe_source
 from arealcli.schema.validate import RecipeInvalid, validate
-from tests.conftest import REPO, TINY_ARCH, sft_recipe
+from tests.conftest import REPO, TINY_ARCH, sft_recipe, train_until_crash
 
 
 def grpo_recipe(ws, follower: dict | None = None, extra_models: dict | None = None, **update) -> Path:
@@ -113,10 +113,6 @@ def test_quickstart_server_end_to_end(cli, tmp_path):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
-class _Crash(Exception):
-    pass
-
-
 def test_resume_after_running_past_the_checkpoint_keeps_the_new_export(ws):
     """Interrupted two or more steps after its last checkpoint, a run leaves newer weight exports behind;
     the resumed run's first export (older than those) must survive the pruning that follows it."""
@@ -124,16 +120,7 @@ def test_resume_after_running_past_the_checkpoint_keeps_the_new_export(ws):
     path = grpo_recipe(ws, follower, trainer={"max_steps": 9, "save_every_n_steps": 3, "tensorboard": False})
     run = ws.root / "run"
 
-    def crash_after_8(step, total, stats, log_now):
-        if step == 8:
-            raise _Crash
-
-    trainer = Trainer(validate(load_recipe_source(path)), path.parent, run)
-    trainer.progress = crash_after_8
-    trainer.setup()
-    with pytest.raises(_Crash):
-        trainer.train()
-    trainer.close()
+    train_until_crash(path, run, step=8)
     assert sorted(p.name for p in (run / "weights" / "actor").iterdir()) == ["v7", "v8"]
 
     resumed = Trainer(validate(load_recipe_source(path)), path.parent, run, resume=True)

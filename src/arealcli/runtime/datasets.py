@@ -127,6 +127,25 @@ def _load_dataset(source: str, path: Path | None, args) -> Any:
     return table
 
 
+def read_valid_rows(args, base_dir, problem_of) -> tuple[str, list[tuple[str, Any]]]:
+    """(source, [(where, row)]) of the rows up to `limit`, each checked by `problem_of(row) -> why |
+    None`: every bad row is named at once (up to MAX_REPORTED), and no rows at all is an error."""
+    source, parsed, bad = load_rows(args, base_dir)
+    rows = []
+    for where, row in parsed:
+        if args.limit is not None and len(rows) >= args.limit:
+            break
+        problem = problem_of(row)
+        if problem:
+            bad.append(f"{where}: {problem}")
+        else:
+            rows.append((where, row))
+    _raise_bad(bad)
+    if not rows:
+        raise DataError(f"{source} has no rows (an empty or blank file); each row must be an object")
+    return source, rows
+
+
 class PromptAnswerDataset:
     """Rows with a prompt (text, or chat messages with messages_key) and an answer (text, a number, or a list
     of accepted answers), from a JSONL file or anything the `datasets` library reads.
@@ -146,7 +165,8 @@ class PromptAnswerDataset:
         self.args, self.tokenizer = args, tokenizer
         if args.messages_key is not None or args.apply_chat_template or args.episode_tools is not None:
             require_template(tokenizer)
-        self.path, rows, self.notes = self._read(args, base_dir)
+        self.path, rows = read_valid_rows(args, base_dir, self._row_problem)
+        self.notes: list[str] = []
         self.items, dropped, cut = [], [], []
         for where, row in rows:
             item = self._encode(len(self.items), row)
@@ -171,23 +191,6 @@ class PromptAnswerDataset:
                 f"{self.path}: every row's prompt is longer than max_length ({args.max_length} tokens); "
                 "raise dataset.args.max_length"
             )
-
-    def _read(self, args, base_dir) -> tuple[str, list[tuple[str, Any]], list[str]]:
-        """Validated rows (up to `limit`); every bad row named at once."""
-        source, parsed, bad = load_rows(args, base_dir)
-        rows = []
-        for where, row in parsed:
-            if args.limit is not None and len(rows) >= args.limit:
-                break
-            problem = self._row_problem(row)
-            if problem:
-                bad.append(f"{where}: {problem}")
-            else:
-                rows.append((where, row))
-        _raise_bad(bad)
-        if not rows:
-            raise DataError(f"{source} has no rows (an empty or blank file); each row must be an object")
-        return source, rows, []
 
     def _row_problem(self, row: Any) -> str | None:
         a = self.args
@@ -359,26 +362,8 @@ class ChatDataset:
     def __init__(self, args: ChatArgs, tokenizer, base_dir: str | Path = "."):
         self.args, self.tokenizer = args, tokenizer
         require_template(tokenizer)
-        self.path, parsed, bad = load_rows(args, base_dir)
+        self.path, rows = read_valid_rows(args, base_dir, self._row_problem)
         self.notes: list[str] = []
-        rows = []
-        for where, row in parsed:
-            if args.limit is not None and len(rows) >= args.limit:
-                break
-            if not isinstance(row, dict) or args.messages_key not in row:
-                got = sorted(row) if isinstance(row, dict) else _kind(row)
-                bad.append(f"{where}: row has no {args.messages_key!r} field (has {got})")
-                continue
-            problem = messages_problem(row[args.messages_key], args.messages_key)
-            if problem is None and not any(m["role"] == "assistant" for m in row[args.messages_key]):
-                problem = f"{args.messages_key!r} has no assistant message: nothing to learn"
-            if problem:
-                bad.append(f"{where}: {problem}")
-            else:
-                rows.append((where, row))
-        _raise_bad(bad)
-        if not rows:
-            raise DataError(f"{self.path} has no rows (an empty or blank file)")
         self.items, cut = [], []
         for where, row in rows:
             ids, mask = render_conversation(
@@ -393,6 +378,15 @@ class ChatDataset:
             self.notes.append(
                 f"{self.path}: cut {len(cut)} of {len(rows)} conversations to max_length ({args.max_length} tokens) — {_lines(cut)}"
             )
+
+    def _row_problem(self, row: Any) -> str | None:
+        key = self.args.messages_key
+        if not isinstance(row, dict) or key not in row:
+            return f"row has no {key!r} field (has {sorted(row) if isinstance(row, dict) else _kind(row)})"
+        problem = messages_problem(row[key], key)
+        if problem is None and not any(m["role"] == "assistant" for m in row[key]):
+            problem = f"{key!r} has no assistant message: nothing to learn"
+        return problem
 
     def __len__(self) -> int:
         return len(self.items)

@@ -81,6 +81,13 @@ class Registry:
             raise RegistryError(f"unknown {self.kind} {name!r}{suggest(name, list(self._entries))}")
         return self._entries[name]
 
+    def validated(self, name: str) -> Entry:
+        """`get` for a pydantic validator: an unknown name is a ValueError (with did-you-mean)."""
+        try:
+            return self.get(name)
+        except RegistryError as e:
+            raise ValueError(str(e)) from None
+
     def __contains__(self, name: str) -> bool:
         load_entry_point_plugins()
         return name in self._entries

@@ -460,3 +460,10 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
+
+
+def kl_controller(init_kl_coef: float, target: float | None, horizon: float):
+    """The adaptive controller when a target KL is given, else a fixed coefficient."""
+    if target is None:
+        return FixedKLController(init_kl_coef)
+    return AdaptiveKLController(init_kl_coef, target, horizon)

@@ -80,11 +80,7 @@ class PPOActorInterface(ModelInterface):
 
     def __init__(self, args: PPOActorArgs):
         super().__init__(args)
-        s = args.shaping
-        if args.adaptive_kl_target is not None:
-            self.kl_ctl = F.AdaptiveKLController(s.kl_ctl, args.adaptive_kl_target, args.adaptive_kl_horizon)
-        else:
-            self.kl_ctl = F.FixedKLController(s.kl_ctl)
+        self.kl_ctl = F.kl_controller(args.shaping.kl_ctl, args.adaptive_kl_target, args.adaptive_kl_horizon)
         self.kl_coef = self.kl_ctl.value  # this step's (the `returns` call's when there is one)
         self.temperature = args.temperature or (
             1.0 if args.generation.greedy else args.generation.temperature

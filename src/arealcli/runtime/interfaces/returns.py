@@ -33,11 +33,7 @@ class ReturnsInterface(ModelInterface):
 
     def __init__(self, args: ReturnsArgs):
         super().__init__(args)
-        s = args.shaping
-        if args.adaptive_kl_target is not None:
-            self.kl_ctl = F.AdaptiveKLController(s.kl_ctl, args.adaptive_kl_target, args.adaptive_kl_horizon)
-        else:
-            self.kl_ctl = F.FixedKLController(s.kl_ctl)
+        self.kl_ctl = F.kl_controller(args.shaping.kl_ctl, args.adaptive_kl_target, args.adaptive_kl_horizon)
 
     def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
         a = self.args

@@ -64,13 +64,10 @@ class PromptAnswerArgs(DataSourceArgs):
             raise ValueError(
                 "with episode_tools the prompts stay plain questions: drop apply_chat_template / messages_key"
             )
-        from arealcli.schema.registry import TOOLS, RegistryError
+        from arealcli.schema.registry import TOOLS
 
         for name in self.episode_tools:
-            try:
-                TOOLS.get(name)
-            except RegistryError as e:
-                raise ValueError(str(e)) from None
+            TOOLS.validated(name)
         return self
 
 

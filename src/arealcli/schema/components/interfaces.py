@@ -12,12 +12,9 @@ from arealcli.schema.components.engine import GenerationHyperparameters
 
 def _registered_reward(name: str) -> str:
     """A reward function name must be registered (checked by `areal check`, not at the first use)."""
-    from arealcli.schema.registry import REWARDS, RegistryError
+    from arealcli.schema.registry import REWARDS
 
-    try:
-        REWARDS.get(name)
-    except RegistryError as e:
-        raise ValueError(str(e)) from None
+    REWARDS.validated(name)
     return name
 
 
@@ -154,12 +151,9 @@ class PPOActorArgs(StrictModel):
             return None
         from pydantic import ValidationError
 
-        from arealcli.schema.registry import WORKFLOWS, RegistryError
+        from arealcli.schema.registry import WORKFLOWS
 
-        try:
-            entry = WORKFLOWS.get(spec.type_)
-        except RegistryError as e:
-            raise ValueError(str(e)) from None
+        entry = WORKFLOWS.validated(spec.type_)
         if isinstance(spec.args, entry.args_model):
             return spec
         try:

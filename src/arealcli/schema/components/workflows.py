@@ -21,13 +21,10 @@ class ToolSet(StrictModel):
     @field_validator("tools")
     @classmethod
     def _registered(cls, tools: list[str]) -> list[str]:
-        from arealcli.schema.registry import TOOLS, RegistryError
+        from arealcli.schema.registry import TOOLS
 
         for name in tools:
-            try:
-                TOOLS.get(name)
-            except RegistryError as e:
-                raise ValueError(str(e)) from None
+            TOOLS.validated(name)
         return tools
 
     @model_validator(mode="after")
