@@ -452,3 +452,22 @@ def test_warm_up_episodes_are_what_the_function_calling_workflow_generates(calle
         PromptAnswerDataset(args.model_copy(update={"path": "bad.jsonl"}), tool_tok, tmp_path)
     with pytest.raises(ValueError, match="set episode_key too"):
         PromptAnswerArgs(path="x.jsonl", episode_tools=["calculator"])
+
+
+def test_stop_texts_find_the_token_that_completes_a_text(tool_tok):
+    from arealcli.runtime.generation import GenerationResult, StopTexts
+
+    def ids(text: str) -> list[int]:
+        return tool_tok(text, add_special_tokens=False)["input_ids"]
+
+    texts = StopTexts(["</x>", "ab "], lambda t: tool_tok.decode(t, skip_special_tokens=True))
+    assert texts.first_end(ids("hello")) is None
+    assert texts.first_end(ids("hi</x>")) == 6  # the last token completes it
+    assert texts.first_end(ids("hi</x>more</x>")) == 6  # the first completion, mid-sample
+    assert texts.first_end(ids("xxab yy")) == 5  # a text ending in a space (no pre-filter)
+    assert texts.matched(ids("hi</x>")) == "</x>" and texts.matched(ids("hi</")) is None
+    only = StopTexts(["</x>"], texts.decode)
+    assert not only.may_end(ids("a")[0]) and only.may_end(ids(">")[0])
+    result = GenerationResult([ids("a</x>bc"), ids("abc")], [[0.1] * 7, [0.2] * 3], [True, True])
+    cut = only.cut(result)
+    assert cut.output_ids[0] == ids("a</x>") and cut.logprobs[0] == [0.1] * 5 and cut.no_eos == [False, True]

@@ -360,9 +360,9 @@ class AgentClient:
             (*stop_texts, *g.stop),
             g.stop_token_ids,
         )
-        pieces = [tok.decode([t]) for t in ids]
         logprobs = None
         if kwargs.get("logprobs") is not None and kwargs.get("logprobs") is not False:
+            pieces = [tok.decode([t]) for t in ids]
             logprobs = Logprobs(
                 pieces, lps, [{"token": p, "logprob": lp} for p, lp in zip(pieces, lps, strict=True)]
             )

@@ -93,7 +93,14 @@ class StopTexts:
         full = self.decode(ids)
         if not any(t in full for t in self.texts):
             return None
-        return next(n for n in range(1, len(ids) + 1) if self.matched(ids[:n]) is not None)
+        before = self.decode(ids[:-1])
+        if not any(t in before for t in self.texts):
+            return len(ids)  # the last token completes it: a generator that stopped there (the usual case)
+        return next(
+            n
+            for n in range(1, len(ids) + 1)
+            if self.may_end(ids[n - 1]) and self.matched(ids[:n]) is not None
+        )
 
     def cut(self, result: GenerationResult) -> GenerationResult:
         """Every sample of `result` cut after the token that completes its first stop text (for

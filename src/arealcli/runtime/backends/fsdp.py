@@ -150,10 +150,12 @@ class FSDPEngine(TrainEngine):
     def lora(self) -> bool:
         return is_lora(self.module)
 
-    def generate_prompts(self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int):
+    def generate_prompts(
+        self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int, stop_texts=None
+    ):
         # with LoRA the adapters sit inside the base model's layers (all unsharded here): run it directly
         module = self.module.get_base_model() if self.lora else self.module
-        return generation.generate(module, prompts, g, eos_ids, pad_id, self.device)
+        return generation.generate(module, prompts, g, eos_ids, pad_id, self.device, stop_texts=stop_texts)
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
         """Collective: every rank sends its shards; rank 0 writes the HF directory (with LoRA: the merged

@@ -76,11 +76,15 @@ class HFEngine(TrainEngine):
     def lora(self) -> bool:
         return is_lora(self.module)
 
-    def generate_prompts(self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int):
+    def generate_prompts(
+        self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int, stop_texts=None
+    ):
         # with LoRA the adapters sit inside the base model's layers: generate with it directly
         module = self.module.get_base_model() if self.lora else self.module
         with self.autocast():
-            return generation.generate(module, prompts, g, eos_ids, pad_id, self.device)
+            return generation.generate(
+                module, prompts, g, eos_ids, pad_id, self.device, stop_texts=stop_texts
+            )
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
         """An HF directory `from_pretrained` loads; with LoRA, the merged weights (base + scaled B A) and

@@ -8,7 +8,9 @@ A backend (hf, fsdp, megatron) subclasses `TrainEngine` and implements a few pri
                                                  loss it returns. Keeps the rank's collectives in step.
     begin_train_step(version_steps, lr_scale)    learning rate for this step, zeroed gradients
     finish_train_step(stepped)                   gradients synchronized, clipped, optimizer step -> norm
-    generate_prompts(prompts, gconfig, eos, pad) sample one micro-batch of prompts
+    generate_prompts(prompts, gconfig, eos, pad, stop_texts)
+                                                 sample one micro-batch of prompts (stopping at the
+                                                 stop texts where the backend can)
     save_to_hf(tokenizer, save_dir)
 
 and gets, written once here: `train_batch` (loss-weighted gradient accumulation, global or per-rank
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from arealcli.runtime.data import SequenceSample
-from arealcli.runtime.generation import GenerationResult, stop_texts_of
+from arealcli.runtime.generation import GenerationResult, StopTexts, stop_texts_of
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
 # loss_fn(outputs, mb) -> (scalar loss, {stat: scalar tensor}); outputs are packed logits (tokens, vocab)
@@ -76,8 +78,15 @@ class TrainEngine:
         raise NotImplementedError
 
     def generate_prompts(
-        self, prompts: list[list[int]], g: GenerationHyperparameters, eos_ids: set[int], pad_id: int
+        self,
+        prompts: list[list[int]],
+        g: GenerationHyperparameters,
+        eos_ids: set[int],
+        pad_id: int,
+        stop_texts: StopTexts | None = None,
     ) -> GenerationResult:
+        """`stop_texts` (when `g.stop` is set): end a sample at the token completing one while
+        generating; a backend that cannot leaves it to `generate`, which cuts every sample after."""
         raise NotImplementedError
 
     def save_to_hf(self, tokenizer: Any, save_dir: str) -> None:
@@ -291,15 +300,19 @@ class TrainEngine:
         self.eval_mode()
         mbs, _, backward = input_.split(mb_spec)
         eos = {tokenizer.eos_token_id}
+        texts = stop_texts_of(gconfig, tokenizer)
         with self.generation_context():
             parts = [
                 self.generate_prompts(
-                    [t.tolist() for t in mb.unpack("packed_prompts")], gconfig, eos, tokenizer.pad_token_id
+                    [t.tolist() for t in mb.unpack("packed_prompts")],
+                    gconfig,
+                    eos,
+                    tokenizer.pad_token_id,
+                    texts,
                 )
                 for mb in mbs
             ]
         result = GenerationResult.concat(parts).reordered(backward)
-        texts = stop_texts_of(gconfig, tokenizer)
         return texts.cut(result) if texts is not None else result
 
 

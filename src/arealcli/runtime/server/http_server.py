@@ -184,7 +184,7 @@ class GenerationService:
                 reason, stopped_by, text = finish_of(
                     out[j], finish[j], r.decode, req.stop_texts, req.stop_ids
                 )
-                texts_of = r.token_texts(out[j]) or [""] * len(out[j])
+                texts_of = (r.token_texts(out[j]) or [""] * len(out[j])) if req.logprobs else []
                 choices.append(Choice(ids, out[j], lps[j], reason, stopped_by, text, texts_of, versions[j]))
         return 200, completion_response(req, choices, self.served_model_name, sum(len(p) for p in prompts))
 

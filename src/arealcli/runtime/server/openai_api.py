@@ -362,7 +362,7 @@ class Choice:
     finish: str  # stop | length
     stop_reason: Any  # the matched stop text or stop token id; None otherwise
     text: str
-    token_texts: list[str]
+    token_texts: list[str]  # each token's text (only when log-probs were asked for)
     versions: list[str]  # weight versions that generated it (first ... last)
 
 
@@ -403,7 +403,7 @@ def completion_response(
         else:
             item["text"] = c.text
             offsets, at = [], 0
-            for t in c.token_texts:
+            for t in c.token_texts:  # (token texts are there when log-probs were asked for)
                 offsets.append(at)
                 at += len(t)
             item["logprobs"] = (
