@@ -152,6 +152,18 @@ def cli():
     return invoke
 
 
+def train_until(step, done, min_steps: int, max_steps: int) -> dict:
+    """Call `step()` (one optimizer step, returning its stats) `min_steps` times, then on until
+    `done(stats)`, at most `max_steps` in all. How far a fixed number of steps gets depends on the CPU's
+    kernels (torch picks them by CPU); a criterion with a bound does not."""
+    stats: dict = {}
+    for k in range(max_steps):
+        stats = step()
+        if k + 1 >= min_steps and done(stats):
+            return stats
+    raise AssertionError(f"not reached in {max_steps} steps: {stats}")
+
+
 def load_example(name: str):
     """A module of examples/ (plugins to start from), imported as a user's recipe would."""
     import importlib

@@ -52,6 +52,11 @@ def check(cli, recipe: Path, *overrides: str):
         (b"a: &a [*a]\n", "expands to more than"),
         (b"- just\n- a list\n", "a recipe must be a mapping"),
         (b"experiment: x\0\n", "NUL byte"),
+        (b"experiment: q\x07x\n", ":1:14: control character U+0007 is not allowed in a recipe"),
+        (b"seed: 1\n\x1b[31m: 2\n", ":2:1: control character U+001B is not allowed in a recipe"),
+        (b"seed: 1\x0c\n", ":1:8: control character U+000C"),
+        (b"experiment: x\x7f\n", ":1:14: control character U+007F"),
+        ("experiment: x\x9b\n".encode(), ":1:14: control character U+009B"),
     ],
 )
 def test_loader_refuses_with_a_location(ws, cli, content, message):
@@ -61,6 +66,14 @@ def test_loader_refuses_with_a_location(ws, cli, content, message):
     assert result.exit_code == 2
     assert message in result.stderr, result.stderr
     assert str(recipe) in result.stderr
+
+
+def test_control_characters_in_overrides_are_located(cli):
+    result = check(cli, REPO / "recipes" / "quickstart.yaml", "experiment=a\x1bb", "seed=1\x07")
+    assert result.exit_code == 2
+    assert "override 'experiment=a\\x1bb':13: control character U+001B is not allowed" in result.stderr
+    assert "override 'seed=1\\x07':7: control character U+0007" in result.stderr
+    assert "\x1b" not in result.stderr  # never echoed raw to the terminal
 
 
 def test_alias_bomb_is_refused_quickly(ws, cli):
@@ -204,12 +217,13 @@ POOL = [
     "~nosuchuser_q/x", "../../x", "[bold]x", ":100:", "'a: b'", "|\n  text", "[", "{", "- a", "?",
     "!!str 3", "0x10", "0o7", "1_000", "2024-01-01", "yes", "~", "\t", "'\\x00'",
 ]  # fmt: skip
+CONTROL = [*(chr(c) for c in range(32) if c not in (9, 10, 13)), "\x7f", "\x80", "\x9b", "\ufffe", "\uffff"]
 KEYS = ["n", "lr", "args", "type_", "path", "preset", "model", "models", "init_from", "batch_size", "x"]
 
 
 def mutate(text: str, rng: random.Random) -> bytes:
     lines = text.splitlines(keepends=True)
-    op = rng.randrange(9)
+    op = rng.randrange(10)
     i = rng.randrange(len(lines))
     if op == 0:  # a value replaced
         m = re.match(r"^(\s*[-\w.]+:\s*)(\S.*)$", lines[i])
@@ -232,6 +246,10 @@ def mutate(text: str, rng: random.Random) -> bytes:
         raw = bytearray("".join(lines).encode())
         raw[rng.randrange(len(raw))] = rng.choice([0xE9, 0xFF, 0x80, 0x00, 0xC3, 0x5B, 0x7B])
         return bytes(raw)
+    elif op == 8:  # a control character or other unprintable code point anywhere (a terminal escape, ...)
+        text = "".join(lines)
+        at = rng.randrange(len(text) + 1)
+        return (text[:at] + rng.choice(CONTROL) + text[at:]).encode()
     else:  # a new key somewhere
         lines.insert(i, " " * rng.choice([0, 2, 4]) + f"{rng.choice(KEYS)}: {rng.choice(POOL)}\n")
     return "".join(lines).encode()

@@ -12,3 +12,16 @@ def test_missing_data_file_is_a_warning_for_check_and_an_error_for_train(ws, cli
     assert trained.exit_code == 2
     assert f"{recipe}:" in trained.stderr and "nope.jsonl does not exist" in trained.stderr
     assert not (ws.root / "run").exists()  # nothing was started or written
+
+
+def test_data_folder_needs_data_files_in_it_or_one_level_down(ws, cli):
+    (ws.root / "empty" / "sub" / "deeper").mkdir(parents=True)
+    (ws.root / "empty" / "notes.txt").write_text("x")
+    (ws.root / "empty" / ".hidden.jsonl").write_text("{}\n")
+    (ws.root / "hub" / "data").mkdir(parents=True)
+    (ws.root / "hub" / "data" / "train-00000.parquet").write_bytes(b"")
+    result = cli("check", ws.recipe(dataset={"args": {"path": "empty"}}))
+    assert result.exit_code == 2
+    assert f"data folder {ws.root / 'empty'} holds no data files (.jsonl, .json, .parquet" in result.stderr
+    result = cli("check", ws.recipe(dataset={"args": {"path": "hub"}}))
+    assert "holds no data files" not in result.stderr

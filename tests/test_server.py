@@ -477,6 +477,69 @@ def test_launch_failure_shows_the_log(tmp_path, char_tok):
         launcher.stop(servers)
 
 
+# --------------------------------------------------------------------------- hostile requests
+
+
+def test_hostile_bodies_get_4xx_and_the_server_stays_up(model_dir, tmp_path):
+    """Deep nesting, oversized bodies, non-object JSON, huge n or batches, min_tokens with nothing to
+    suppress: each gets a 4xx naming the problem, and the next normal request is answered."""
+    limits = ["--max-n", "8", "--max-batch-size", "4", "--max-body-mb", "1"]
+    args = SGLangBackendArgs(launch="embedded", device="cpu", extra_args=["--num-threads", "1", *limits])
+    servers = launcher.launch(args, str(model_dir), tmp_path / "logs", "hostile")
+    try:
+        launcher.wait_ready(servers, 90)
+        server = servers[0]
+        url = f"http://{server.address}"
+
+        def send(path: str, content: bytes) -> httpx.Response:
+            headers = {"content-type": "application/json"}
+            return httpx.post(url + path, content=content, headers=headers, timeout=30, trust_env=False)
+
+        def still_serving() -> None:
+            assert get(server, "/health").status_code == 200
+            ok = post(server, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+            assert ok.status_code == 200, ok.text
+
+        def refused(r: httpx.Response, fragment: str, status: int = 400) -> None:
+            assert r.status_code == status, r.text
+            assert fragment in r.json()["error"]["message"], r.text
+            still_serving()
+
+        deep = b"[" * 100_000 + b"]" * 100_000
+        for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/update_weights_from_disk"):
+            refused(send(path, deep), "nested more than")
+            refused(send(path, b'{"a": ' * 40 + b"1" + b"}" * 40), "nested more than")
+        refused(send("/generate", b'{"text": "' + b"x" * (2 << 20) + b'"}'), "--max-body-mb", 413)
+        for body in (b"[1]", b'"x"', b"5", b"null", b"true", b"[]"):
+            for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/update_weights_from_disk"):
+                r = send(path, body)
+                assert 400 <= r.status_code < 500, (path, body, r.text)
+            for path in ("/abort_request", "/slow_down"):
+                assert send(path, body).status_code < 500, (path, body)
+            still_serving()
+        n9 = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "n": 9}}
+        refused(post(server, "/generate", n9), "--max-n")
+        refused(post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, "n": 9}), "--max-n")
+        refused(post(server, "/generate", {"input_ids": [PROMPT] * 5}), "--max-batch-size")
+        refused(post(server, "/v1/completions", {"prompt": ["a"] * 5, "max_tokens": 2}), "--max-batch-size")
+        refused(post(server, "/generate", {"text": ""}), "no tokens")
+        # min_new_tokens with no EOS to suppress (ignore_eos; likewise a tokenizer without one)
+        r = post(
+            server,
+            "/generate",
+            {
+                "input_ids": PROMPT,
+                "sampling_params": {"max_new_tokens": 3, "min_new_tokens": 2, "ignore_eos": True},
+            },
+        )
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 3, r.text
+        r = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 3, "min_tokens": 2, "n": 8})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 8, r.text
+        still_serving()
+    finally:
+        launcher.stop(servers)
+
+
 # --------------------------------------------------------------------------- SGLang's own contract
 
 SGLANG_VERSION = os.environ.get("AREALCLI_SGLANG_VERSION", "0.5.23")

@@ -19,7 +19,7 @@ from arealcli.runtime.server.openai_api import ProtocolError, chat_message, pars
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs, SFTArgs
-from tests.conftest import load_example, tiny_module
+from tests.conftest import load_example, tiny_module, train_until
 from tests.test_agentic import PAIRS, SPEC, hf_actor, segments
 
 # A compact chat template in the Hermes style of Qwen2.5's: the tools' names up front, calls written as
@@ -105,9 +105,7 @@ def caller(tmp_path_factory, tool_tok):
         Model("actor", module, tool_tok), SPEC
     )
     sft = SFTInterface(SFTArgs())
-    for _ in range(200):
-        stats = sft.train_step(model, batch, MicroBatchSpec())
-    assert stats["loss"] < 0.01, stats
+    train_until(lambda: sft.train_step(model, batch, MicroBatchSpec()), lambda s: s["loss"] < 0.01, 200, 800)
     root = tmp_path_factory.mktemp("caller")
     model.module.save_to_hf(tool_tok, str(root / "model"))
     return root / "model"

@@ -34,7 +34,11 @@ def serve(
         min=0,
         help="Batch requests that arrive within this long of each other (waiting at most 10x this long).",
     ),
-    max_batch_size: int = typer.Option(256, min=1, help="Most samples in one generate call."),
+    max_batch_size: int = typer.Option(
+        256, min=1, help="Most samples in one generate call, and most prompts in one request."
+    ),
+    max_n: int = typer.Option(64, min=1, help="Most samples per prompt (n) in one request."),
+    max_body_mb: int = typer.Option(64, min=1, help="Largest request body in MiB (larger: 413)."),
     weight_version: str = typer.Option("default", help="weight_version reported until an update sets one."),
     num_threads: int = typer.Option(
         0, min=0, help="torch CPU threads (0 = torch's default; 1 is fastest for small models on busy CPUs)."
@@ -62,6 +66,8 @@ def serve(
             max_batch_size,
             weight_version,
             log_requests,
+            max_n,
+            max_body_mb,
         )
     except OSError as e:
         raise fail([str(e)]) from None

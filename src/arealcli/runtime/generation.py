@@ -171,7 +171,7 @@ def generate(
         ids[i, P - len(p) :] = torch.tensor(p, device=device)
         attn[i, P - len(p) :] = 1
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    stop = torch.tensor(sorted(eos_ids | set(g.stop_token_ids)), device=device)
+    stop = torch.tensor(sorted(eos_ids | set(g.stop_token_ids)), dtype=torch.long, device=device)
     lean = None
     if lean_decoder.supports(module):
         dtype = next(module.parameters()).dtype

@@ -76,13 +76,42 @@ def resolve(path: str, recipe_dir: Path) -> Path:
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
 
 
+def _holds_data_files(folder: Path, max_entries: int = 10_000) -> bool | None:
+    """Whether `folder` or one of its subfolders (`data/train.parquet`) holds a data file; None when there
+    are too many entries to tell. Hidden files and folders are skipped, as the `datasets` library does."""
+    visible = [e for e in _entries(folder) if not e.name.startswith(".")]
+    subfolders = [e for e in visible if e.is_dir()]
+    seen = len(visible)
+    for entries in [visible] + [_entries(Path(d.path)) for d in subfolders]:
+        seen += len(entries) if entries is not visible else 0
+        if seen > max_entries:
+            return None
+        if any(
+            not e.name.startswith(".") and e.is_file() and Path(e.name).suffix in DATA_SUFFIXES
+            for e in entries
+        ):
+            return True
+    return False
+
+
+def _entries(folder: Path) -> list[os.DirEntry]:
+    try:
+        with os.scandir(folder) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
 def _kind_problem(full: Path, what: str) -> str | None:
     """Why an existing `full` is not usable as `what`, or None."""
     if what == "data path":
         if full.is_dir():
             saved = any((full / f).exists() for f in ("state.json", "dataset_dict.json"))
-            if not saved and not any(p.suffix in DATA_SUFFIXES for p in full.rglob("*") if p.is_file()):
-                return f"data folder {full} holds no data files ({', '.join(DATA_SUFFIXES)})"
+            if not saved and _holds_data_files(full) is False:
+                return (
+                    f"data folder {full} holds no data files ({', '.join(DATA_SUFFIXES)}) in it or its "
+                    "subfolders one level down; give the file, or the folder that holds the files"
+                )
             return None
         if full.suffix not in DATA_SUFFIXES:
             return f"data file {full} is not one of {', '.join(DATA_SUFFIXES)}"

@@ -215,12 +215,34 @@ def _decode(raw: bytes, file: Path) -> str:
         ) from None
 
 
+# What YAML forbids in a stream: C0 controls but tab, newline and carriage return; DEL; C1 controls but
+# NEL; surrogates; U+FFFE and U+FFFF.
+_NON_PRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def _check_printable(text: str, file: str) -> None:
+    """Every control character YAML refuses, as `file:line:col` (not the YAML reader's traceback)."""
+    problems = []
+    for m in _NON_PRINTABLE.finditer(text):
+        if len(problems) == 10:
+            problems.append(f"{file}: (more control characters not listed)")
+            break
+        before = text[: m.start()]
+        line, col = before.count("\n") + 1, m.start() - (before.rfind("\n") + 1) + 1
+        what = (
+            "a NUL byte; is it a binary file?"
+            if m.group() == "\x00"
+            else (f"control character U+{ord(m.group()):04X} is not allowed in a recipe")
+        )
+        problems.append(f"{file}:{line}:{col}: {what}")
+    if problems:
+        raise RecipeSourceError(problems)
+
+
 def parse_yaml(text: str, file: str, positions: dict[Path_, tuple[int, int]] | None = None) -> Any:
     """YAML text -> plain data; every problem as `file:line:col: message` in one RecipeSourceError."""
     positions = {} if positions is None else positions
-    if "\x00" in text:
-        line = text[: text.index("\x00")].count("\n") + 1
-        raise RecipeSourceError([f"{file}:{line}: the recipe contains a NUL byte; is it a binary file?"])
+    _check_printable(text, file)
     loader = _Loader(text)
     try:
         root = loader.get_single_node()
@@ -277,6 +299,14 @@ def parse_override(text: str) -> tuple[Path_, Any]:
     """`dataflow.calls.0.mb_spec.n_mbs=2` -> (("dataflow", "calls", 0, "mb_spec", "n_mbs"), 2)."""
     if "=" not in text:
         raise RecipeSourceError([f"override {text!r}: expected key.path=value"])
+    bad_char = _NON_PRINTABLE.search(text)
+    if bad_char:
+        raise RecipeSourceError(
+            [
+                f"override {text!r}:{bad_char.start() + 1}: control character U+{ord(bad_char.group()):04X} "
+                "is not allowed in a recipe"
+            ]
+        )
     key, _, raw = text.partition("=")
     if not key or any(not part for part in key.split(".")):
         raise RecipeSourceError([f"override {text!r}: empty key in {key!r}"])

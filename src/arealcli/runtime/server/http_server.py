@@ -47,8 +47,9 @@ from arealcli.runtime.server.scheduler import Scheduler, Sequence
 class GenerationService:
     """The endpoints, as methods: body (parsed JSON) -> (status, JSON payload, or text when a str)."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler):
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_n: int = 64):
         self.runner, self.scheduler = runner, scheduler
+        self.max_n = max_n  # samples per prompt in one request
         self.served_model_name = runner.model_path
         self.tokenizer_path = runner.tokenizer_path
         self.shutting_down = False
@@ -56,10 +57,13 @@ class GenerationService:
     async def generate(self, body: Any) -> tuple[int, Any]:
         t0 = time.perf_counter()
         req = parse_generate(body)
+        self._check_size(len(req.prompts), req.sampling[0].n)
         r = self.runner
         per_prompt: list[list[Sequence]] = []
         for prompt, sampling, rid in zip(req.prompts, req.sampling, req.rids, strict=True):
             ids = prompt if isinstance(prompt, list) else r.encode(prompt)
+            if not ids:
+                raise ProtocolError("a prompt encodes to no tokens; give at least one")
             if sampling.stop and r.tokenizer is None:
                 raise ProtocolError(
                     f"{r.model_path} has no tokenizer: stop texts need one (use stop_token_ids)"
@@ -98,6 +102,18 @@ class GenerationService:
                 )
         return 200, out if req.is_batch or len(out) > 1 else out[0]
 
+    def _check_size(self, prompts: int, n: int) -> None:
+        """A request asks for at most `max_n` samples per prompt and `max_batch_size` prompts."""
+        if n > self.max_n:
+            raise ProtocolError(
+                f"n={n} exceeds this server's limit of {self.max_n} samples per prompt (areal serve --max-n)"
+            )
+        if prompts > self.scheduler.max_batch_size:
+            raise ProtocolError(
+                f"the request has {prompts} prompts; this server takes at most {self.scheduler.max_batch_size} "
+                "in one request (areal serve --max-batch-size)"
+            )
+
     async def _run(self, seqs: list[Sequence]) -> list[str]:
         """Generate `seqs` (batched with whatever else is waiting); their errors."""
         loop = asyncio.get_running_loop()
@@ -115,6 +131,8 @@ class GenerationService:
     def _prompt_ids(self, prompt: list[int] | str) -> list[int]:
         r = self.runner
         ids = prompt if isinstance(prompt, list) else r.encode(prompt)
+        if not ids:
+            raise ProtocolError("a prompt encodes to no tokens; give at least one")
         if max(ids) >= r.vocab_size or min(ids) < 0:
             raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
         if len(ids) >= r.context_length:
@@ -140,6 +158,7 @@ class GenerationService:
     async def _openai(self, req: OpenAIRequest) -> tuple[int, Any]:
         """Every prompt's n choices; a sample aborted by a weight update is continued on the new weights."""
         r = self.runner
+        self._check_size(len(req.prompts), req.sampling.n)
         prompts = [self._prompt_ids(p) for p in req.prompts]
         choices: list[Choice] = []
         for ids in prompts:
@@ -298,16 +317,54 @@ def _respond(status: int, payload: Any) -> web.Response:
     return web.Response(status=status, body=json.dumps(payload).encode(), content_type="application/json")
 
 
-def make_app(service: GenerationService) -> web.Application:
+MAX_JSON_DEPTH = 32  # the deepest request (chat messages with tool calls and schemas) needs about 10
+_TOO_DEEP = object()
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether JSON data nests deeper than MAX_JSON_DEPTH (iteratively: no recursion on hostile input)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                return True
+            stack.extend(
+                (c, depth + 1)
+                for c in (v.values() if isinstance(v, dict) else v)
+                if isinstance(c, dict | list)
+            )
+    return False
+
+
+def make_app(service: GenerationService, max_body_mb: int = 64) -> web.Application:
     def route(name: str):
         method = getattr(service, name)
 
         async def handle(request: web.Request) -> web.Response:
-            raw = await request.read()
+            try:
+                raw = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return _respond(
+                    413,
+                    {
+                        "error": {
+                            "message": f"the body is larger than this server's limit of {max_body_mb} MiB "
+                            "(areal serve --max-body-mb)"
+                        }
+                    },
+                )
             try:
                 body = json.loads(raw) if raw.strip() else {}
             except ValueError as e:
                 return _respond(400, {"error": {"message": f"the body is not valid JSON: {e}"}})
+            except RecursionError:
+                body = _TOO_DEEP
+            if body is _TOO_DEEP or _too_deep(body):
+                return _respond(
+                    400,
+                    {"error": {"message": f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"}},
+                )
             try:
                 return _respond(*await method(body))
             except (ProtocolError, ValueError) as e:
@@ -318,7 +375,7 @@ def make_app(service: GenerationService) -> web.Application:
 
         return handle
 
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=max_body_mb << 20)
     for method, path, name in ROUTES:
         app.router.add_route(method, path, route(name))
     return app
@@ -327,8 +384,11 @@ def make_app(service: GenerationService) -> web.Application:
 class GenerationServer:
     """A bound socket, the service behind it, and the loop that serves it (`serve_forever`)."""
 
-    def __init__(self, service: GenerationService, sock: socket.socket, log_requests: bool):
+    def __init__(
+        self, service: GenerationService, sock: socket.socket, log_requests: bool, max_body_mb: int = 64
+    ):
         self.service, self.sock, self.log_requests = service, sock, log_requests
+        self.max_body_mb = max_body_mb
 
     @property
     def server_address(self) -> tuple[str, int]:
@@ -338,7 +398,7 @@ class GenerationServer:
         if self.log_requests:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
         access_log = logging.getLogger("aiohttp.access") if self.log_requests else None
-        runner = web.AppRunner(make_app(self.service), access_log=access_log)
+        runner = web.AppRunner(make_app(self.service, self.max_body_mb), access_log=access_log)
         await runner.setup()
         await web.SockSite(runner, self.sock, backlog=1024).start()
         if on_ready is not None:
@@ -368,6 +428,8 @@ def make_server(
     max_batch_size: int = 256,
     weight_version: str = "default",
     log_requests: bool = False,
+    max_n: int = 64,
+    max_body_mb: int = 64,
 ) -> GenerationServer:
     """Load the model, bind the socket (port 0 = any free port) and start the batching loop."""
     runner = ModelRunner(model_path, device, dtype)
@@ -377,7 +439,7 @@ def make_server(
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     scheduler = Scheduler(runner, batch_window_ms / 1000, max_batch_size, weight_version)
     scheduler.start()
-    return GenerationServer(GenerationService(runner, scheduler), sock, log_requests)
+    return GenerationServer(GenerationService(runner, scheduler, max_n), sock, log_requests, max_body_mb)
 
 
 def serve_forever(server: GenerationServer, on_ready=None) -> None:

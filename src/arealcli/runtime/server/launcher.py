@@ -23,6 +23,7 @@ from typing import IO
 import httpx
 
 from arealcli.schema.components.backends import SGLangBackendArgs, VLLMBackendArgs
+from arealcli.schema.components.engine import MAX_SAMPLES_PER_PROMPT
 
 
 class LaunchError(RuntimeError):
@@ -87,6 +88,7 @@ def server_command(args: SGLangBackendArgs, model_path: str, port: int, index: i
         cmd = [python, "-m", "arealcli.main", "serve", "--model", model_path, "--host", args.host]
         cmd += ["--port", str(port), "--device", args.device]
         cmd += ["--dtype", "float32" if args.dtype == "auto" else args.dtype]
+        cmd += ["--max-n", str(MAX_SAMPLES_PER_PROMPT)]  # a recipe's generation.n is bounded already
     return cmd + list(args.extra_args)
 
 

@@ -54,10 +54,13 @@ class MicroBatchSpec(StrictModel):
     )
 
 
+MAX_SAMPLES_PER_PROMPT = 4096
+
+
 class GenerationHyperparameters(StrictModel):
     """Sampling settings for generation."""
 
-    n: PositiveInt = Field(1, le=4096, description="Samples per prompt.")
+    n: PositiveInt = Field(1, le=MAX_SAMPLES_PER_PROMPT, description="Samples per prompt.")
     max_new_tokens: PositiveInt = Field(16, le=1 << 22, description="Maximum generated tokens per sample.")
     min_new_tokens: int = Field(0, ge=0, description="Minimum generated tokens (EOS suppressed before).")
     greedy: bool = Field(False, description="Greedy decoding (ignores temperature/top_p/top_k).")
