@@ -7,7 +7,13 @@ from __future__ import annotations
 
 
 class UserError(Exception):
-    """Bad input found after the recipe validated: a data file, a model folder, a run directory."""
+    """Bad input found after the recipe validated: a data file, a model folder, a run directory.
+
+    Given several lines, each is printed as its own error line."""
+
+    def __init__(self, *lines: str):
+        super().__init__("\n".join(lines))
+        self.lines = list(lines)
 
 
 class DataError(UserError):

@@ -156,7 +156,8 @@ def run_worker(job: WorkerJob) -> int:
     # Ctrl-C (or the agent passing it on) ends a worker at once, even inside a blocking collective,
     # where a Python KeyboardInterrupt would wait for peers forever. Checkpoints are atomic: safe.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # fixed: the thread policy stays off in workers
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("cpu:gloo,cuda:nccl")
@@ -169,31 +170,17 @@ def run_worker(job: WorkerJob) -> int:
 
 
 def _train(job: WorkerJob, rank: int) -> int:
-    import contextlib
-
     from rich.console import Console
+    from rich.text import Text
 
-    from arealcli.runtime.progress import ConsoleProgress, default_metrics, header
-    from arealcli.runtime.trainer import Trainer
+    from arealcli.runtime.run.driver import Display, run
     from arealcli.schema.source import apply_overrides, load_recipe_source
     from arealcli.schema.validate import validate
 
     recipe_path = Path(job.recipe_path)
     recipe = validate(apply_overrides(load_recipe_source(recipe_path), job.overrides))
-    trainer = Trainer(recipe, recipe_path.resolve().parent, Path(job.run_dir), resume=job.resume)
-    console = Console(emoji=False, highlight=False)
-    metrics = recipe.trainer.console_metrics or default_metrics(recipe.dataflow.calls)
-    progress = ConsoleProgress(console, recipe.experiment, metrics) if rank == 0 else None  # rank 0 reports
-    try:
-        with progress or contextlib.nullcontext():
-            trainer.progress = progress.update if progress else None
-            trainer.setup()
-            if progress is not None:
-                header(console, trainer.describe(recipe_path))
-                for note in trainer.notes:
-                    console.print(f"note: {note}", markup=False, highlight=False)
-                progress.start(trainer.global_step, trainer.total_steps)
-            trainer.train()
-    finally:
-        trainer.close()
-    return trainer.global_step
+    display = None
+    if rank == 0:  # rank 0 reports
+        console = Console(emoji=False, highlight=False)
+        display = Display(console, lambda note: console.print(Text(f"note: {note}")))
+    return run(recipe, recipe_path, Path(job.run_dir), job.resume, display).global_step

@@ -13,6 +13,8 @@ import math
 import os
 import random
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +51,40 @@ def model_build_order(recipe: Recipe) -> list[str]:
     return order
 
 
+@dataclass
+class Hooks:
+    """What the driver plugs into a run: the console, stop signals, the thread policy."""
+
+    progress: Callable[..., None] | None = None  # (step, total, stats, log_now) after every step
+    stop_requested: Callable[[], None] | None = None  # before each step: raises when a stop was signalled
+    thread_policy: Any = None  # runtime.threads.ThreadPolicy: torch threads follow the free cores
+
+
 class Trainer:
-    def __init__(self, recipe: Recipe, recipe_dir: Path, run_dir: Path, resume: bool = False, progress=None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        recipe_dir: Path,
+        run_dir: Path,
+        resume: bool = False,
+        progress=None,
+        hooks: Hooks | None = None,
+    ):
         self.recipe, self.recipe_dir, self.run_dir, self.resume = recipe, recipe_dir, run_dir, resume
-        self.progress = progress  # callable(step, total, stats) for the console, or None
-        self.thread_policy = None  # runtime.threads.ThreadPolicy: torch threads follow the free cores
-        self.stop_requested = None  # callable run before each step: raises when a stop was signalled
+        hooks = hooks or Hooks()
+        self.progress = progress or hooks.progress
+        self.stop_requested = hooks.stop_requested
+        self.thread_policy = hooks.thread_policy
         self.global_step = 0
         self.rank, self.world = distributed.rank(), distributed.world()
         self.saved_step: int | None = None
+        self.ckpt_root = run_dir / "checkpoints"
+        self.notes: list[str] = []
+        self.models: dict[str, Model] = {}
+        self.calls: list[Call] = []
+        self.logger: MetricLogger | None = None
+        self.producer: RolloutProducer | None = None
+        self.resumed_from: Path | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -65,22 +92,36 @@ class Trainer:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        r = self.recipe
-        seed_rank(r.seed, self.rank)  # weights are seeded per model (the same on every rank)
-        self.ckpt_root = self.run_dir / "checkpoints"
-        resume_from, self.notes = None, []
-        if self.resume:
-            resume_from, damaged = ckpt.resume_checkpoint(self.ckpt_root, cleanup=self.rank == 0)
-            for problem in damaged:
-                self.notes.append(
-                    f"skipping a damaged checkpoint: {problem}; resuming from {resume_from.name}"
-                )
-            distributed.barrier()
-            if self.rank == 0:  # set aside (kept for inspection), never picked up or pruned in its place
-                for problem in damaged:
-                    bad = Path(problem.split(": ", 1)[0])
-                    bad.rename(bad.with_name(f"damaged-{bad.name}"))
+        seed_rank(self.recipe.seed, self.rank)  # weights are seeded per model (the same on every rank)
+        resume_from = self._setup_resume_point() if self.resume else None
+        self._setup_data()
+        self._setup_models(resume_from)
+        self._setup_calls()
+        if resume_from is not None:
+            self._restore_trainer_state(resume_from)
+        self.resumed_from = resume_from
+        self._setup_logging()
+        # models with `weights_from` start from their source's current (possibly resumed) weights
+        self.weight_sync = WeightSync(self.recipe, self.models, self.tokenizer, self.run_dir)
+        self.weight_sync.sync()
+        self._setup_rollout()
+        if self.rank == 0 and not (self.resume and (self.run_dir / "recipe.yaml").exists()):
+            write_resolved_recipe(self.recipe, self.run_dir, self.recipe_dir)  # no record of a failed start
 
+    def _setup_resume_point(self) -> Path:
+        """The newest intact checkpoint; damaged newer ones are set aside (kept for inspection)."""
+        resume_from, damaged = ckpt.resume_checkpoint(self.ckpt_root, cleanup=self.rank == 0)
+        for problem in damaged:
+            self.notes.append(f"skipping a damaged checkpoint: {problem}; resuming from {resume_from.name}")
+        distributed.barrier()
+        if self.rank == 0:  # never picked up or pruned in its place
+            for problem in damaged:
+                bad = Path(problem.split(": ", 1)[0])
+                bad.rename(bad.with_name(f"damaged-{bad.name}"))
+        return resume_from
+
+    def _setup_data(self) -> None:
+        r = self.recipe
         first_path = next((m.path for m in r.models.values() if m.path), None)
         tok_spec = r.tokenizer
         if tok_spec is not None and tok_spec.path:  # relative to the recipe, or a Hub name
@@ -94,9 +135,13 @@ class Trainer:
             eval_ds = make_dataset(r.eval_dataset, self.tokenizer, str(self.recipe_dir))
             self.notes += getattr(eval_ds, "notes", [])
             self.eval_batches = Batches(eval_ds, min(r.eval_dataset.batch_size, len(eval_ds)), False, r.seed)
-
         epochs_steps = r.trainer.total_train_epochs * self.batches.steps_per_epoch
         self.total_steps = r.trainer.max_steps or epochs_steps
+
+    def _setup_models(self, resume_from: Path | None) -> None:
+        """Every model through its backend, sources before the models built from them; trained models
+        get their checkpointed weights and backend state on resume."""
+        r = self.recipe
         spec = FinetuneSpec(
             r.trainer.total_train_epochs,
             len(self.dataset),
@@ -104,64 +149,68 @@ class Trainer:
             self.total_steps,
             run_dir=str(self.run_dir),
         )
-
         self.trained = {c.model for c in r.dataflow.calls if c.type == "train_step" and c.model}
-        self.models: dict[str, Model] = {}
+        order = model_build_order(r)
+        seeds = {name: r.seed + i for i, name in enumerate(order)}
         raw: dict[str, Any] = {}
-        seeds = {name: r.seed + i for i, name in enumerate(model_build_order(r))}
-        for name in model_build_order(r):
+        for name in order:
             mspec = r.models[name]
             if mspec.base_of is not None:
                 continue  # a view of another model, built below
             if mspec.path:
                 mspec = mspec.model_copy(update={"path": self._resolve(mspec.path)})
             raw[name] = build_module(mspec, self.tokenizer, seeds[name], raw.get(mspec.init_from))
-        for name in model_build_order(r):
+        for name in order:
             if r.models[name].base_of is not None:  # e.g. the reference model: the actor with adapters off
                 self.models[name] = base_model_view(name, self.models[r.models[name].base_of])
-                continue
-            module = raw[name]
-            backend = make_backend(r.models[name].backend)
-            if (
-                resume_from is not None
-                and name in self.trained
-                and not getattr(backend, "resumes_weights", False)
-            ):
-                with ckpt.reading(resume_from / name):
-                    ckpt.load_hf_weights(module, resume_from / name)
-            model = Model(name, module, self.tokenizer, seed=seeds[name])
-            model = backend.initialize(model, spec)
-            if resume_from is not None and name in self.trained:
-                with ckpt.reading(resume_from / name):
-                    model.backend.load(model, str(resume_from / name))
-            self.models[name] = model
-
+            else:
+                self.models[name] = self._initialize(name, raw[name], seeds[name], spec, resume_from)
         if r.dataset.batch_size % distributed.dp_world():  # known once the backends are set up
             raise ValueError(batch_size_problem(r.dataset.batch_size, distributed.dp_world()))
+
+    def _initialize(
+        self, name: str, module, seed: int, spec: FinetuneSpec, resume_from: Path | None
+    ) -> Model:
+        backend = make_backend(self.recipe.models[name].backend)
+        resumes = resume_from is not None and name in self.trained
+        if resumes and not getattr(backend, "resumes_weights", False):
+            with ckpt.reading(resume_from / name):
+                ckpt.load_hf_weights(module, resume_from / name)
+        model = backend.initialize(Model(name, module, self.tokenizer, seed=seed), spec)
+        if resumes:
+            with ckpt.reading(resume_from / name):
+                model.backend.load(model, str(resume_from / name))
+        return model
+
+    def _setup_calls(self) -> None:
         weightless = Model("<weightless>", None, self.tokenizer)  # for calls with `model: null`
         self.calls = [
             Call(c, make_interface(c.interface), self.models[c.model] if c.model else weightless)
-            for c in r.dataflow.calls
+            for c in self.recipe.dataflow.calls
         ]
-        if resume_from is not None:
-            with ckpt.reading(resume_from / "trainer_state.pt"):
-                state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
-            self.global_step = state["global_step"]
-            for name, version in state["versions"].items():
-                self.models[name].version.__dict__.update(version)
-            for call, cstate in zip(self.calls, state["interfaces"], strict=True):
-                if cstate is not None:
-                    call.interface.load_state_dict(cstate)
-            per_rank = state.get("rng_per_rank") or [state["rng"]]
-            if self.rank < len(per_rank):
-                ckpt.set_rng_state(per_rank[self.rank])
-            else:  # more ranks than the checkpoint had: a fresh, deterministic stream
-                seed_rank(r.seed + self.global_step, self.rank)
-            self.saved_step = self.global_step
-            if self.rank == 0:
-                drop_metrics_after(self.run_dir / "metrics.jsonl", self.global_step)
-        self.resumed_from = resume_from
 
+    def _restore_trainer_state(self, resume_from: Path) -> None:
+        """Step counters, model versions, interface state (KL controllers) and every rank's RNG."""
+        with ckpt.reading(resume_from / "trainer_state.pt"):
+            state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+        self.global_step = state["global_step"]
+        for name, version in state["versions"].items():
+            self.models[name].version.__dict__.update(version)
+        for call, cstate in zip(self.calls, state["interfaces"], strict=True):
+            if cstate is not None:
+                call.interface.load_state_dict(cstate)
+        per_rank = state.get("rng_per_rank") or [state["rng"]]
+        if self.rank < len(per_rank):
+            ckpt.set_rng_state(per_rank[self.rank])
+        else:  # more ranks than the checkpoint had: a fresh, deterministic stream
+            seed_rank(self.recipe.seed + self.global_step, self.rank)
+        self.saved_step = self.global_step
+        if self.rank == 0:
+            drop_metrics_after(self.run_dir / "metrics.jsonl", self.global_step)
+
+    def _setup_logging(self) -> None:
+        """metrics.jsonl, TensorBoard and W&B on rank 0 (the other ranks log nowhere)."""
+        r = self.recipe
         sinks: list[Any] = []
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -179,20 +228,19 @@ class Trainer:
                     WandbSink(r.trainer.wandb, r.experiment, self.run_dir, r.model_dump(mode="json"))
                 )
         self.logger = MetricLogger(sinks)
-        # models with `weights_from` start from their source's current (possibly resumed) weights
-        self.weight_sync = WeightSync(r, self.models, self.tokenizer, self.run_dir)
-        self.weight_sync.sync()
-        self.producer: RolloutProducer | None = None
+
+    def _setup_rollout(self) -> None:
+        """Asynchronous RL: the rollout side runs ahead on its own threads."""
         self.train_calls = self.calls
-        if r.rollout is not None:  # asynchronous: the rollout side runs ahead on its own threads
+        if self.recipe.rollout is not None:
             self.producer = RolloutProducer(
-                self.calls, self.data_batch, r.rollout.max_staleness, self.global_step, self.total_steps
+                self.calls,
+                self.data_batch,
+                self.recipe.rollout.max_staleness,
+                self.global_step,
+                self.total_steps,
             )
             self.train_calls = [c for c in self.calls if not on_rollout_side(c.spec)]
-        if self.rank == 0 and not (self.resume and (self.run_dir / "recipe.yaml").exists()):
-            write_resolved_recipe(
-                r, self.run_dir, self.recipe_dir
-            )  # once setup worked: no record of a failed start
 
     def _resolve(self, path: str) -> str:
         """A local path (absolute or relative to the recipe), a Hub name's cached snapshot, or the Hub
@@ -379,14 +427,15 @@ class Trainer:
         return next(c for c in self.calls if c.spec.type == "train_step" and c.spec.model == model_name)
 
     def close(self) -> None:
-        if getattr(self, "producer", None) is not None:
+        """Release what setup made, as far as it got (every attribute exists from the constructor on)."""
+        if self.producer is not None:
             self.producer.stop()  # before the engines it generates on go away
-        if hasattr(self, "logger"):
+        if self.logger is not None:
             self.logger.close()
-        for model in getattr(self, "models", {}).values():
+        for model in self.models.values():
             if model.backend is not None:
                 model.backend.destroy(model)
-        if getattr(self, "producer", None) is not None:
+        if self.producer is not None:
             self.producer.join()  # its workers end once the engines they waited on are closed
 
 

@@ -1,0 +1,84 @@
+"""The one run driver: build the trainer, train, close — for `areal train` in one process and for every
+worker it launches (the console and the header on the reporting rank only).
+
+    run(recipe, recipe_path, run_dir, resume, display, stop)
+      thread policy (torch threads follow the free cores, unless OMP_NUM_THREADS fixes them)
+      Trainer(..., hooks) -> setup -> header and notes -> train -> close
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from arealcli.runtime import threads
+from arealcli.runtime.run.session import StopSignals
+from arealcli.runtime.trainer import Hooks, Trainer
+from arealcli.schema.recipe import Recipe
+
+
+@dataclass
+class Display:
+    """Where a reporting rank shows the run: the console (header, progress line) and notes."""
+
+    console: object  # rich.console.Console
+    note: Callable[[str], None]
+
+
+@dataclass
+class RunResult:
+    global_step: int
+    elapsed_s: float
+
+
+def run(
+    recipe: Recipe,
+    recipe_path: Path,
+    run_dir: Path,
+    resume: bool = False,
+    display: Display | None = None,
+    stop: StopSignals | None = None,
+    on_stop: Callable[[KeyboardInterrupt], None] | None = None,
+) -> RunResult:
+    """Train `recipe` into `run_dir`. `display`: this process reports (None on other ranks). `stop`:
+    installed around the run so Ctrl-C and SIGTERM end it cleanly (a KeyboardInterrupt, Terminated for
+    SIGTERM, is raised to the caller after the trainer closed; `on_stop` sees it first)."""
+    from arealcli.runtime.progress import ConsoleProgress, default_metrics, header
+
+    policy = threads.ThreadPolicy() if threads.enabled() else None
+    if policy is not None:
+        policy.measure_now()
+    progress = None
+    if display is not None:
+        metrics = recipe.trainer.console_metrics or default_metrics(recipe.dataflow.calls)
+        progress = ConsoleProgress(display.console, recipe.experiment, metrics)
+    hooks = Hooks(
+        progress=progress.update if progress is not None else None,
+        stop_requested=stop.raise_if_requested if stop is not None else None,
+        thread_policy=policy,
+    )
+    trainer = Trainer(recipe, recipe_path.resolve().parent, run_dir, resume=resume, hooks=hooks)
+    t0 = time.perf_counter()
+    try:
+        with progress if progress is not None else contextlib.nullcontext():
+            if stop is not None:
+                stop.install()
+            trainer.setup()
+            if display is not None and progress is not None:
+                header(display.console, trainer.describe(recipe_path))
+                for note in trainer.notes:
+                    display.note(note)
+                progress.start(trainer.global_step, trainer.total_steps)
+            trainer.train()
+    except KeyboardInterrupt as e:
+        if on_stop is not None:
+            on_stop(e)  # the progress line has ended; said before a shutdown that may hang
+        raise
+    finally:
+        trainer.close()
+        if stop is not None:
+            stop.restore()
+    return RunResult(trainer.global_step, time.perf_counter() - t0)
