@@ -40,6 +40,9 @@ ARCH = dict(
 )
 N_STEPS = 3
 ATOL = 1e-4
+# Weights after N_STEPS Adam steps at lr 1e-2: a near-zero gradient entry turns rounding differences
+# between the two paths into an update of its own; measured max 3e-5 (AVX-512), 1.2e-4 (AVX2 kernels).
+WEIGHT_ATOL = 1e-3
 PPO_ARGS = dict(generation={"n": 4, "max_new_tokens": 4}, adv_norm="group", n_minibatches=1)
 
 
@@ -128,7 +131,7 @@ def assert_same_training(result: dict, ref: dict) -> None:
         assert abs(got["loss"] - want["loss"]) < ATOL, (got["loss"], want["loss"])
         assert abs(got["grad_norm"] - want["grad_norm"]) < ATOL * max(1.0, want["grad_norm"])
         assert got["lr"] == want["lr"] and got["loss_weight"] == want["loss_weight"]
-    assert max_diff(result["final"], ref["final"]) < ATOL
+    assert max_diff(result["final"], ref["final"]) < WEIGHT_ATOL
 
 
 # --------------------------------------------------------------------------- 2 processes
@@ -152,7 +155,7 @@ def test_save_to_hf_loads_with_transformers(
     two_process_results, hf_reference, workdir, char_tok, layout
 ) -> None:
     exported = AutoModelForCausalLM.from_pretrained(workdir / layout / "hf")
-    assert max_diff(exported.state_dict(), hf_reference["final"]) < ATOL
+    assert max_diff(exported.state_dict(), hf_reference["final"]) < WEIGHT_ATOL
     ids = torch.tensor([encode(char_tok, "hello:olleh")])
     reference = tiny_module(char_tok, **ARCH)
     reference.load_state_dict(hf_reference["final"])
@@ -199,7 +202,7 @@ def test_ppo_actor_step_changes_weights_like_hf(two_process_results, hf_referenc
     result = two_process_results[layout]
     assert result["ppo_max_change"] > 1e-4  # the step did something ...
     assert abs(result["ppo"]["loss"] - hf_reference["ppo"]["loss"]) < ATOL  # ... and the right thing
-    assert max_diff(result["ppo_final"], hf_reference["ppo_final"]) < ATOL
+    assert max_diff(result["ppo_final"], hf_reference["ppo_final"]) < WEIGHT_ATOL
 
 
 def test_resume_is_exact_at_pp2(two_process_results) -> None:
@@ -222,10 +225,10 @@ def test_four_process_layouts_match_hf(workdir, hf_reference) -> None:
         result = torch.load(workdir / name / "result.pt", weights_only=False)
         assert_same_training(result, hf_reference)
         exported = AutoModelForCausalLM.from_pretrained(workdir / name / "hf")
-        assert max_diff(exported.state_dict(), hf_reference["final"]) < ATOL
+        assert max_diff(exported.state_dict(), hf_reference["final"]) < WEIGHT_ATOL
     ppo = torch.load(workdir / "tp2pp1dp2" / "result.pt", weights_only=False)
     assert ppo["ppo_max_change"] > 1e-4
-    assert max_diff(ppo["ppo_final"], hf_reference["ppo_final"]) < ATOL
+    assert max_diff(ppo["ppo_final"], hf_reference["ppo_final"]) < WEIGHT_ATOL
 
 
 # --------------------------------------------------------------------------- through `areal train`

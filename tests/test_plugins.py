@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import textwrap
 
+import torch
 import yaml
 
 from tests.conftest import sft_recipe
@@ -126,3 +127,87 @@ def test_a_missing_data_key_lists_the_keys(ws, cli):
     result = cli("train", path, "-o", ws.root / "run2")
     assert result.exit_code != 0
     assert "'mask' is not in this batch; it has ['packed_input_ids', 'prompt_mask']" in str(result.exception)
+
+
+# A backend in the shape of AReaL's "Customization: Backends" example: a ModelBackend whose `_initialize`
+# wraps `model.module` in an engine of its own and assigns it back; registered by name.
+BACKEND_PLUGIN = '''
+import dataclasses
+
+import torch
+
+from arealcli import api as model_api
+
+
+class PlainEngine(model_api.TrainEngine):
+    """Plain SGD on a transformers module in this process."""
+
+    def __init__(self, module, lr):
+        self.module, self.device = module, torch.device("cpu")
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+
+    def run_microbatch(self, mb):
+        ids, mask = mb.padded("packed_input_ids", pad_value=0)
+        return self.module(input_ids=ids).logits[mask]
+
+    def begin_train_step(self, version_steps, lr_scale):
+        self.optimizer.zero_grad()
+        return self.optimizer.param_groups[0]["lr"]
+
+    def finish_train_step(self, stepped):
+        self.optimizer.step()
+        return 0.0
+
+    def save_to_hf(self, tokenizer, save_dir):
+        self.module.save_pretrained(save_dir)
+        tokenizer.save_pretrained(save_dir)
+
+
+@dataclasses.dataclass
+class PlainArgs:
+    lr: float = 0.5
+
+
+class PlainBackend(model_api.ModelBackend):
+    Args = PlainArgs
+
+    def _initialize(self, model, spec):
+        module = model.module
+        model.module = PlainEngine(module, self.args.lr)
+        return model
+
+
+model_api.register_backend("plain", PlainBackend)
+'''
+
+
+def test_a_backend_plugin_in_the_original_form_trains_saves_and_resumes(ws, cli):
+    (ws.root / "plain_backend.py").write_text(textwrap.dedent(BACKEND_PLUGIN))
+    recipe = sft_recipe(
+        imports=["plain_backend"],
+        trainer={"max_steps": 6, "save_every_n_steps": 3, "tensorboard": False},
+    )
+    recipe["models"]["default"]["backend"] = {"type_": "plain", "args": {"lr": 0.5}}
+    path = ws.text("plain.yaml", yaml.safe_dump(recipe, sort_keys=False))
+    assert cli("check", path).exit_code == 0
+    full = cli("train", path, "-o", ws.root / "full")
+    assert full.exit_code == 0, full.output
+    rows = [json.loads(x) for x in (ws.root / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["sft/loss"] < rows[0]["sft/loss"], rows
+    assert (ws.root / "full" / "checkpoints" / "step_00000006" / "default" / "config.json").is_file()
+    # 3 steps, then resume to 6: the same weights as 6 uninterrupted steps
+    short = ws.text(
+        "short.yaml", yaml.safe_dump({**recipe, "trainer": {**recipe["trainer"], "max_steps": 3}})
+    )
+    assert cli("train", short, "-o", ws.root / "part").exit_code == 0
+    resumed = cli("train", path, "-o", ws.root / "part", "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    from safetensors.torch import load_file
+
+    def final(run: str) -> dict:
+        return load_file(
+            str(ws.root / run / "checkpoints" / "step_00000006" / "default" / "model.safetensors")
+        )
+
+    a, b = final("full"), final("part")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

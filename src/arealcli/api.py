@@ -3,7 +3,8 @@
 
     ModelInterface, register_interface     an algorithm: `train_step`, `inference`, `generate`, `save`
     ModelBackend, register_backend         a backend (`capabilities`, `_initialize`)
-    TrainEngine, InferenceEngine           the two engine kinds a backend builds
+    TrainEngine, InferenceEngine           the two engine kinds a backend builds (PipelinableEngine:
+                                           the original design's name of TrainEngine)
     register_dataset, register_reward      data and reward functions
     register_tool, ToolError               a tool an episode can call: fn(text) -> text
     register_workflow, Episode             an episode workflow: run(engine, tokenizer, prompts, gconfig)
@@ -32,6 +33,8 @@ from arealcli.schema.base import ModelBackendAbstraction, ModelInterfaceAbstract
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.registry import register_workflow
 
+PipelinableEngine = TrainEngine  # the original design's name for a training engine
+
 __all__ = [
     "Episode",
     "GenerationHyperparameters",
@@ -43,6 +46,7 @@ __all__ = [
     "ModelBackendAbstraction",
     "ModelInterface",
     "ModelInterfaceAbstraction",
+    "PipelinableEngine",
     "SequenceSample",
     "ToolError",
     "TrainEngine",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +31,19 @@ class FinetuneSpec:
 
 
 @dataclass
+class ModelSource:
+    """How a model's weights are made, for a backend that builds its own (`builds_weights`): its spec
+    (local paths resolved) and `build()`, the transformers module as the recipe describes it (seeded,
+    built afresh on every call)."""
+
+    spec: ModelSpec
+    build: Callable[[], Any]
+
+
+@dataclass
 class Model:
-    """A model of the run. `module` is the raw torch module until a backend turns it into an engine."""
+    """A model of the run. `module` is the raw torch module until a backend turns it into an engine
+    (None for a backend that builds its own weights from `source`)."""
 
     name: str
     module: Any
@@ -41,6 +53,13 @@ class Model:
     version: ModelVersion = field(default_factory=ModelVersion)
     backend: Any = None
     seed: int = 0  # seeds what a backend adds to the module (LoRA adapters): the same on every rank
+    source: ModelSource | None = None
+
+    def initial_module(self) -> Any:
+        """Before a backend initializes the model: the torch module given, else one built from `source`."""
+        if self.module is None and self.source is None:
+            raise ValueError(f"model {self.name}: neither a module nor a source to build one from")
+        return self.module if self.module is not None else self.source.build()
 
     def inc_version(self) -> None:
         self.version.global_step += 1
@@ -112,7 +131,7 @@ class BaseModelView:
         self.engine = engine
 
     def _off(self):
-        return self.engine.module.disable_adapter()  # peft's context manager
+        return self.engine.adapters_off()
 
     def forward(self, *args, **kwargs):
         with self._off():

@@ -26,13 +26,14 @@ from arealcli.runtime import checkpoint as ckpt
 from arealcli.runtime import distributed
 from arealcli.runtime.dataflow import Call, run_calls
 from arealcli.runtime.datasets import Batches
+from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.metrics import JSONLSink, MetricLogger, WandbSink, tensorboard_sink
-from arealcli.runtime.model import FinetuneSpec, Model, base_model_view, build_module
+from arealcli.runtime.model import FinetuneSpec, Model, ModelSource, base_model_view, build_module
 from arealcli.runtime.registry import make_backend, make_dataset, make_interface
 from arealcli.runtime.rollout import RolloutProducer
 from arealcli.runtime.tokenizer import load_tokenizer
 from arealcli.runtime.weight_sync import WeightSync
-from arealcli.schema.recipe import Recipe, on_rollout_side
+from arealcli.schema.recipe import ModelSpec, Recipe, on_rollout_side
 
 
 def model_build_order(recipe: Recipe) -> list[str]:
@@ -152,34 +153,54 @@ class Trainer:
         self.trained = {c.model for c in r.dataflow.calls if c.type == "train_step" and c.model}
         order = model_build_order(r)
         seeds = {name: r.seed + i for i, name in enumerate(order)}
+        backends = {
+            name: make_backend(r.models[name].backend) for name in order if not r.models[name].base_of
+        }
+        specs = {name: self._resolved_spec(name) for name in backends}
+
+        def fresh(name: str):  # the module as the recipe describes it, built anew
+            source = specs[name].init_from
+            return build_module(specs[name], self.tokenizer, seeds[name], fresh(source) if source else None)
+
         raw: dict[str, Any] = {}
-        for name in order:
-            mspec = r.models[name]
-            if mspec.base_of is not None:
-                continue  # a view of another model, built below
-            if mspec.path:
-                mspec = mspec.model_copy(update={"path": self._resolve(mspec.path)})
-            raw[name] = build_module(mspec, self.tokenizer, seeds[name], raw.get(mspec.init_from))
+        eager = self._eager_models(backends)
+        for name in order:  # sources first: a model initialized from another copies its module as built
+            if name in eager:
+                raw[name] = build_module(
+                    specs[name], self.tokenizer, seeds[name], raw.get(specs[name].init_from)
+                )
         for name in order:
             if r.models[name].base_of is not None:  # e.g. the reference model: the actor with adapters off
                 self.models[name] = base_model_view(name, self.models[r.models[name].base_of])
-            else:
-                self.models[name] = self._initialize(name, raw[name], seeds[name], spec, resume_from)
+                continue
+            model = Model(name, raw.get(name), self.tokenizer, seed=seeds[name])
+            model.source = ModelSource(specs[name], lambda name=name: fresh(name))
+            self.models[name] = self._initialize(backends[name], model, spec, resume_from)
         if r.dataset.batch_size % distributed.dp_world():  # known once the backends are set up
             raise ValueError(batch_size_problem(r.dataset.batch_size, distributed.dp_world()))
 
-    def _initialize(
-        self, name: str, module, seed: int, spec: FinetuneSpec, resume_from: Path | None
-    ) -> Model:
-        backend = make_backend(self.recipe.models[name].backend)
-        resumes = resume_from is not None and name in self.trained
-        if resumes and not getattr(backend, "resumes_weights", False):
-            with ckpt.reading(resume_from / name):
-                ckpt.load_hf_weights(module, resume_from / name)
-        model = backend.initialize(Model(name, module, self.tokenizer, seed=seed), spec)
+    def _resolved_spec(self, name: str) -> ModelSpec:
+        spec = self.recipe.models[name]
+        return spec.model_copy(update={"path": self._resolve(spec.path)}) if spec.path else spec
+
+    def _eager_models(self, backends: dict[str, Any]) -> set[str]:
+        """Models whose torch module the trainer builds: those whose backend does not build its own
+        weights, and the models they are initialized from."""
+        eager = {name for name, backend in backends.items() if not backend.builds_weights}
+        for name in reversed(model_build_order(self.recipe)):
+            if name in eager and self.recipe.models[name].init_from:
+                eager.add(self.recipe.models[name].init_from)
+        return eager
+
+    def _initialize(self, backend, model: Model, spec: FinetuneSpec, resume_from: Path | None) -> Model:
+        resumes = resume_from is not None and model.name in self.trained
+        if resumes and not backend.resumes_weights:
+            with ckpt.reading(resume_from / model.name):
+                ckpt.load_hf_weights(model.module, resume_from / model.name)
+        model = backend.initialize(model, spec)
         if resumes:
-            with ckpt.reading(resume_from / name):
-                model.backend.load(model, str(resume_from / name))
+            with ckpt.reading(resume_from / model.name):
+                model.backend.load(model, str(resume_from / model.name))
         return model
 
     def _setup_calls(self) -> None:
@@ -441,13 +462,12 @@ class Trainer:
 
 def _params(model) -> str:
     """`, 180k of 690k params train` for an in-process model that trains a part of its weights."""
-    module = getattr(getattr(model, "module", None), "module", None)
-    if not isinstance(module, torch.nn.Module):
+    counts = (
+        model.module.parameter_counts() if model is not None and isinstance(model.module, Engine) else None
+    )
+    if counts is None or counts[0] in (0, counts[1]):
         return ""
-    total = sum(p.numel() for p in module.parameters())
-    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    if trained in (0, total):
-        return ""
+    trained, total = counts
 
     def short(n: int) -> str:
         return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.model import FinetuneSpec, Model
 from arealcli.schema.registry import BACKEND_CAPABILITIES
 
@@ -24,6 +25,12 @@ class ModelBackend:
 
     Args: type = type(None)
     capabilities: frozenset[str] = frozenset(BACKEND_CAPABILITIES)
+    # True: `_initialize` gets `model.module = None` and builds what it needs from `model.source` (a
+    # server loads weights of its own), so the trainer builds no torch module for the model.
+    builds_weights: bool = False
+    # True: on resume, `load` restores the trained weights itself (LoRA adapters over a rebuilt base);
+    # otherwise the trainer loads the checkpoint's HF export into the module before `_initialize`.
+    resumes_weights: bool = False
 
     def __init__(self, args: Any):
         self.args = args
@@ -36,16 +43,26 @@ class ModelBackend:
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         raise NotImplementedError
 
+    # The engine owns its state: these hand over to it (a plugin engine that is not one of ours may
+    # lack them, and then has nothing to save, load or release).
+
     def save(self, model: Model, save_dir: str) -> None:
-        """Backend state needed to resume (optimizer, scheduler); weights go through save_to_hf."""
+        """Engine state needed to resume (optimizer, adapters); weights go through save_to_hf."""
+        if isinstance(model.module, Engine):
+            model.module.save_state(save_dir)
 
     def load(self, model: Model, load_dir: str) -> None:
         """Restore what `save` wrote."""
+        if isinstance(model.module, Engine):
+            model.module.load_state(load_dir)
 
     def update_weights(self, model: Model, path: str, version: int) -> None:
-        """Replace the model's weights by the HF export at `path` (policy `version`); models whose weights
-        follow another (`weights_from`) get this after every step that trained their source."""
-        raise NotImplementedError(f"backend {type(self).__name__} declares update_weights but lacks it")
+        """Replace the model's weights by the HF export at `path` (policy `version`)."""
+        if not isinstance(model.module, Engine):
+            raise NotImplementedError(f"backend {type(self).__name__} declares update_weights but lacks it")
+        model.module.update_weights(path, version)
 
     def destroy(self, model: Model) -> None:
-        """Release resources (processes, servers, GPU memory)."""
+        """Release resources (processes, servers, GPU memory); safe to call twice."""
+        if isinstance(model.module, Engine):
+            model.module.destroy()

@@ -174,6 +174,40 @@ class FSDPEngine(TrainEngine):
             if tokenizer is not None:
                 tokenizer.save_pretrained(save_dir)
 
+    # ------------------------------------------------------------------ state
+
+    def save_state(self, save_dir: str) -> None:
+        """Collective: each rank writes its optimizer shard (torch.distributed.checkpoint)."""
+        if self.optimizer is None:
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
+        dcp.save(state, checkpoint_id=os.path.join(save_dir, "optimizer"))
+
+    def load_state(self, load_dir: str) -> None:
+        if self.lora:  # every rank reads the adapters; each keeps its shards
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            adapters = {k: v.to(self.device) for k, v in adapter_state(load_dir).items()}
+            result = set_model_state_dict(
+                self.module, adapters, options=StateDictOptions(full_state_dict=True, strict=False)
+            )
+            if result.unexpected_keys:
+                raise RuntimeError(
+                    f"adapters in {load_dir} do not fit the model: {result.unexpected_keys[:5]}"
+                )
+        path = os.path.join(load_dir, "optimizer")
+        if self.optimizer is None or not os.path.isdir(path):
+            return
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.module, self.optimizer)}
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(self.module, self.optimizer, state["optimizer"])
+
 
 class FSDPBackend(ModelBackend):
     """PyTorch FSDP2 (`fully_shard`): weights, gradients and optimizer state sharded over the ranks."""
@@ -219,40 +253,6 @@ class FSDPBackend(ModelBackend):
     def resumes_weights(self) -> bool:
         """With LoRA, resume rebuilds the base and loads the adapters itself (`load`), not the merged export."""
         return self.args.lora is not None
-
-    def save(self, model: Model, save_dir: str) -> None:
-        """Collective: each rank writes its optimizer shard (torch.distributed.checkpoint)."""
-        engine: FSDPEngine = model.module
-        if engine.optimizer is None:
-            return
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        state = {"optimizer": get_optimizer_state_dict(engine.module, engine.optimizer)}
-        dcp.save(state, checkpoint_id=os.path.join(save_dir, "optimizer"))
-
-    def load(self, model: Model, load_dir: str) -> None:
-        engine: FSDPEngine = model.module
-        if engine.lora:  # every rank reads the adapters; each keeps its shards
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            adapters = {k: v.to(engine.device) for k, v in adapter_state(load_dir).items()}
-            result = set_model_state_dict(
-                engine.module, adapters, options=StateDictOptions(full_state_dict=True, strict=False)
-            )
-            if result.unexpected_keys:
-                raise RuntimeError(
-                    f"adapters in {load_dir} do not fit the model: {result.unexpected_keys[:5]}"
-                )
-        path = os.path.join(load_dir, "optimizer")
-        if engine.optimizer is None or not os.path.isdir(path):
-            return
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-        state = {"optimizer": get_optimizer_state_dict(engine.module, engine.optimizer)}
-        dcp.load(state, checkpoint_id=path)
-        set_optimizer_state_dict(engine.module, engine.optimizer, state["optimizer"])
 
     def destroy(self, model: Model) -> None:
         global _own_process_group

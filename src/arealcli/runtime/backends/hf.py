@@ -103,6 +103,36 @@ class HFEngine(TrainEngine):
         if tokenizer is not None:
             tokenizer.save_pretrained(save_dir)
 
+    # ------------------------------------------------------------------ state
+
+    def save_state(self, save_dir: str) -> None:
+        if self.optimizer is not None and distributed.rank() == 0:
+            torch.save({"optimizer": self.optimizer.state_dict()}, os.path.join(save_dir, "engine_state.pt"))
+
+    def load_state(self, load_dir: str) -> None:
+        if self.lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            adapters = load_file(os.path.join(load_dir, ADAPTER_DIR, "adapter_model.safetensors"))
+            result = set_peft_model_state_dict(self.module, adapters)
+            if getattr(result, "unexpected_keys", None):
+                raise RuntimeError(
+                    f"adapters in {load_dir} do not fit the model: {result.unexpected_keys[:5]}"
+                )
+        path = os.path.join(load_dir, "engine_state.pt")
+        if self.optimizer is not None and os.path.exists(path):
+            state = torch.load(path, map_location=self.device, weights_only=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def update_weights(self, path: str, version: int) -> None:
+        """Load another model's HF export in place (a model with `weights_from`)."""
+        from pathlib import Path
+
+        from arealcli.runtime.checkpoint import load_hf_weights
+
+        load_hf_weights(self.module, Path(path))
+
 
 class HFBackend(ModelBackend):
     """The embedded transformers backend: one process, CPU or one GPU."""
@@ -137,35 +167,3 @@ class HFBackend(ModelBackend):
     def resumes_weights(self) -> bool:
         """With LoRA, resume rebuilds the base and loads the adapters itself (`load`), not the merged export."""
         return self.args.lora is not None
-
-    def save(self, model: Model, save_dir: str) -> None:
-        engine: HFEngine = model.module
-        if engine.optimizer is not None and distributed.rank() == 0:
-            torch.save(
-                {"optimizer": engine.optimizer.state_dict()}, os.path.join(save_dir, "engine_state.pt")
-            )
-
-    def load(self, model: Model, load_dir: str) -> None:
-        engine: HFEngine = model.module
-        if engine.lora:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-
-            adapters = load_file(os.path.join(load_dir, ADAPTER_DIR, "adapter_model.safetensors"))
-            result = set_peft_model_state_dict(engine.module, adapters)
-            if getattr(result, "unexpected_keys", None):
-                raise RuntimeError(
-                    f"adapters in {load_dir} do not fit the model: {result.unexpected_keys[:5]}"
-                )
-        path = os.path.join(load_dir, "engine_state.pt")
-        if engine.optimizer is not None and os.path.exists(path):
-            state = torch.load(path, map_location=engine.device, weights_only=True)
-            engine.optimizer.load_state_dict(state["optimizer"])
-
-    def update_weights(self, model: Model, path: str, version: int) -> None:
-        """Load another model's HF export in place (a model with `weights_from`)."""
-        from pathlib import Path
-
-        from arealcli.runtime.checkpoint import load_hf_weights
-
-        load_hf_weights(model.module.module, Path(path))

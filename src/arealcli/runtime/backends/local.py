@@ -11,7 +11,6 @@ generates on it while the trainer trains; without, `generate` calls wait for the
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -101,10 +100,12 @@ class LocalEngine(InferenceEngine):
         if not ok:
             raise GenerationServerError(message)
 
-    def close(self) -> None:
+    def destroy(self) -> None:
         self.scheduler.stop()  # aborts what runs: the batch ends at its next decoding step
         self.scheduler.join(timeout=10)
         self.loop.close()
+
+    close = destroy
 
 
 class LocalBackend(ModelBackend):
@@ -134,10 +135,3 @@ class LocalBackend(ModelBackend):
         )
         model.device, model.dtype = runner.device, runner.dtype
         return model
-
-    def update_weights(self, model: Model, path: str, version: int) -> None:
-        model.module.update_weights(str(Path(path)), version)
-
-    def destroy(self, model: Model) -> None:
-        if isinstance(model.module, LocalEngine):
-            model.module.close()

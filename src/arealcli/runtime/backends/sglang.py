@@ -46,6 +46,7 @@ class SGLangBackend(ModelBackend):
 
     Args = SGLangBackendArgs
     capabilities = frozenset({"generate", "update_weights"})
+    builds_weights = True  # connected servers hold their own; launched ones get an export of the source
 
     def __init__(self, args: SGLangBackendArgs):
         super().__init__(args)
@@ -73,7 +74,7 @@ class SGLangBackend(ModelBackend):
         except BaseException:
             self.destroy(model)
             raise
-        model.module = SGLangEngine(self.client, self.loop, model.name, a.abort_on_update)  # module released
+        model.module = SGLangEngine(self.client, self.loop, model.name, a.abort_on_update)
         return model
 
     def _launch(self, model: Model, spec: FinetuneSpec) -> list[str]:
@@ -84,14 +85,11 @@ class SGLangBackend(ModelBackend):
             self._tmp_dir = tempfile.mkdtemp(prefix="arealcli-servers-")
             root = Path(self._tmp_dir)
         weights = root / "weights" / model.name / "init"
-        export_hf(model.module, model.tokenizer, weights)
+        export_hf(model.initial_module(), model.tokenizer, weights)
         atexit.register(self._stop_servers)  # also when the trainer never reaches destroy()
         self.servers = launcher.launch(a, str(weights), root / "servers", model.name)
         launcher.wait_ready(self.servers, a.startup_timeout_s)
         return [s.address for s in self.servers]
-
-    def update_weights(self, model: Model, path: str, version: int) -> None:
-        model.module.update_weights(path, version)
 
     def _stop_servers(self) -> None:
         launcher.stop(self.servers)

@@ -108,7 +108,7 @@ class VLLMBackend(SGLangBackend):
         except BaseException:
             self.destroy(model)
             raise
-        model.module = VLLMEngine(self.client, self.loop, model.name)  # the torch module is released
+        model.module = VLLMEngine(self.client, self.loop, model.name)
         return model
 
     def _launch(self, model: Model, spec: FinetuneSpec) -> list[str]:
@@ -119,7 +119,7 @@ class VLLMBackend(SGLangBackend):
             self._tmp_dir = tempfile.mkdtemp(prefix="arealcli-servers-")
             root = Path(self._tmp_dir)
         weights = (root / "weights" / model.name / "init").resolve()
-        export_hf(model.module, model.tokenizer, weights)
+        export_hf(model.initial_module(), model.tokenizer, weights)
         python = a.python_executable or os.environ.get(PYTHON_ENV) or "python"
         atexit.register(self._stop_servers)  # also when the trainer never reaches destroy()
         self.servers = launcher.launch(

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.generation import GenerationResult, stop_texts_of
 from arealcli.runtime.server.protocol import Completion, sampling_params
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
@@ -176,7 +177,7 @@ def prompt_groups(prompts: list[list[int]]) -> list[tuple[int, int]]:
     return groups
 
 
-class InferenceEngine:
+class InferenceEngine(Engine):
     """Generation on a GroupGenerator, run on an event-loop thread (see the module docstring).
 
     Subclasses implement `_update_weights(path, version)` (a coroutine, on the loop).

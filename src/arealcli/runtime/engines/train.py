@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.generation import GenerationResult, StopTexts, stop_texts_of
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
@@ -49,7 +50,7 @@ def group_size(group=None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-class TrainEngine:
+class TrainEngine(Engine):
     """Base of the engines that train. Subclasses set `device` (and `dp_group` when data-parallel
     ranks are not the whole world) and implement the primitives listed in the module docstring."""
 
@@ -101,12 +102,29 @@ class TrainEngine:
         """Put the module in eval mode (no dropout) before forward-only passes."""
         self.train(False)
 
+    def _torch_module(self) -> torch.nn.Module | None:
+        module = getattr(self, "module", None) or getattr(self, "model", None)
+        return module if isinstance(module, torch.nn.Module) else None
+
     def train(self, mode: bool = True) -> TrainEngine:
         """Like `nn.Module.train` (interfaces written for AReaL call `module.train()` / `module.eval()`)."""
-        module = getattr(self, "module", None) or getattr(self, "model", None)
-        if isinstance(module, torch.nn.Module):
+        module = self._torch_module()
+        if module is not None:
             module.train(mode)
         return self
+
+    def adapters_off(self):
+        module = self._torch_module()
+        if module is None or not hasattr(module, "disable_adapter"):
+            return super().adapters_off()
+        return module.disable_adapter()  # peft's context manager
+
+    def parameter_counts(self) -> tuple[int, int] | None:
+        module = self._torch_module()
+        if module is None:
+            return None
+        params = list(module.parameters())
+        return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
     def eval(self) -> TrainEngine:
         return self.train(False)

@@ -108,6 +108,8 @@ class MegatronBackend(ModelBackend):
     """Megatron-Core GPTModel with tensor / pipeline / data parallelism."""
 
     Args = MegatronBackendArgs
+    builds_weights = True  # converts the source's HF weights into its own sharded model
+    resumes_weights = True  # load_state reads the checkpoint's HF export into the shards
 
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         from megatron.core import parallel_state as ps
@@ -123,7 +125,7 @@ class MegatronBackend(ModelBackend):
                 "`areal train RECIPE --nproc-per-node N` (N = a multiple of tensor_parallel_size x "
                 "pipeline_parallel_size; 1 works too)."
             )
-        module = model.module
+        module = model.initial_module()
         _check_causal_lm(module)
         hf_config = module.config
         tp, pp = a.tensor_parallel_size, a.pipeline_parallel_size
@@ -189,25 +191,6 @@ class MegatronBackend(ModelBackend):
         distributed.set_data_parallel(model.module.dp_rank, model.module.dp_world)
         model.device, model.dtype = device, dtype
         return model
-
-    def save(self, model: Model, save_dir: str) -> None:
-        model.module.save_state(save_dir)
-
-    def load(self, model: Model, load_dir: str) -> None:
-        model.module.load_state(load_dir)
-
-    def update_weights(self, model: Model, path: str, version: int) -> None:
-        """Load another model's HF export in place (a model with `weights_from`)."""
-        from pathlib import Path
-
-        from safetensors.torch import load_file
-
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        if not state:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        model.module.load_hf_state(state)
 
     def destroy(self, model: Model) -> None:
         if isinstance(model.module, MegatronEngine):

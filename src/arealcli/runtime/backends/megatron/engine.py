@@ -292,6 +292,19 @@ class MegatronEngine(TrainEngine):
     def _optimizer_file(self, save_dir: str, kind: str) -> str:
         return os.path.join(save_dir, "megatron_optimizer", f"{kind}_tp{self.tp_rank}_pp{self.pp_rank}.pt")
 
+    def update_weights(self, path: str, version: int) -> None:
+        """Load another model's HF export in place (a model with `weights_from`)."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        if not state:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        self.load_hf_state(state)
+
     def save_state(self, save_dir: str) -> None:
         """Optimizer state for resume, one file per (TP, PP) shard (data-parallel replicas hold the
         same state; a distributed optimizer's shards are gathered to DP rank 0 by megatron)."""
@@ -305,6 +318,8 @@ class MegatronEngine(TrainEngine):
         dist.barrier()
 
     def load_state(self, load_dir: str) -> None:
+        """The trained weights (the checkpoint's HF export, each rank its shard), then the optimizer."""
+        self.update_weights(load_dir, 0)
         path = self._optimizer_file(load_dir, "state")
         if self.optimizer is None or not os.path.exists(path):
             return
