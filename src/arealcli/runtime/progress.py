@@ -23,6 +23,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from arealcli.schema.registry import INTERFACES
+
 
 def default_metrics(calls: Iterable) -> list[str]:
     """The headline metrics of a dataflow: per training call, its reward or its loss; held-out scores."""
@@ -33,10 +35,10 @@ def default_metrics(calls: Iterable) -> list[str]:
             keys += [f"{c.name}/episode/tool_call_rate", f"{c.name}/episode/turns"]
         if c.type != "train_step":
             continue
-        kind = c.interface.type_
-        if kind == "ppo_actor":
+        entry = INTERFACES.find(c.interface.type_)
+        if entry is not None and entry.learns_from_rewards:
             keys += [f"{c.name}/reward", f"eval/{c.name}/accuracy"]
-        elif kind == "ppo_critic":
+        elif entry is not None and entry.value_head:  # a critic
             keys += [f"{c.name}/loss"]
         else:
             keys += [f"{c.name}/loss", f"eval/{c.name}/nll", f"eval/{c.name}/accuracy"]

@@ -1,7 +1,8 @@
 """The explicit table of built-in components: name -> implementation (imported lazily) + its args model.
 
-Call types are declared here so `areal check` knows what each interface implements without importing
-it; a test checks this table against the classes themselves.
+Call types and what each interface is (a critic, a language model, ...) are declared here so `areal
+check` knows them without importing it; a test checks this table against the classes themselves. Loaded
+once, by `registry.load_builtins`.
 """
 
 from __future__ import annotations
@@ -29,28 +30,29 @@ from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, REWARDS, TO
 _R = "arealcli.runtime"
 
 
-def _interface(name, target, args, description, call_types, needs_model=True, training_side=False):
+def _interface(name, target, args, description, call_types, needs_model=True, **flags):
     INTERFACES.add(
-        Entry(
-            name,
-            target,
-            args,
-            description,
-            "builtin",
-            frozenset(call_types),
-            needs_model,
-            training_side=training_side,
-        )
+        Entry(name, target, args, description, "builtin", frozenset(call_types), needs_model, **flags)
     )
 
 
-_interface("sft", f"{_R}.interfaces.sft:SFTInterface", SFTArgs, SFTArgs.__doc__, ["train_step"])
+_interface(
+    "sft",
+    f"{_R}.interfaces.sft:SFTInterface",
+    SFTArgs,
+    SFTArgs.__doc__,
+    ["train_step"],
+    language_model=True,
+    trains_on_dataset=True,
+)
 _interface(
     "ppo_actor",
     f"{_R}.interfaces.ppo_actor:PPOActorInterface",
     PPOActorArgs,
     PPOActorArgs.__doc__,
     ["generate", "inference", "train_step"],
+    language_model=True,
+    learns_from_rewards=True,
 )
 _interface(
     "ppo_critic",
@@ -58,6 +60,7 @@ _interface(
     PPOCriticArgs,
     PPOCriticArgs.__doc__,
     ["inference", "train_step"],
+    value_head=True,
 )
 _interface(
     "returns",

@@ -42,6 +42,25 @@ def _components(registry: Registry) -> list[tuple[str, type[BaseModel], str]]:
     return [(e.name, e.args_model, e.description) for e in registry.entries()]
 
 
+def _one_of_components(d: dict[str, Any], comps: list[tuple[str, type[BaseModel], str]], ref: Any) -> None:
+    """A `{type_, args}` definition: `type_` names a component, and `args` is that component's model."""
+    d["properties"]["type_"] = {
+        **d["properties"]["type_"],
+        "enum": [name for name, _, _ in comps],
+    }
+    d["properties"]["args"] = {
+        "type": "object",
+        "description": d["properties"]["args"].get("description", ""),
+    }
+    d["allOf"] = [
+        {
+            "if": {"properties": {"type_": {"const": name}}, "required": ["type_"]},
+            "then": {"properties": {"args": {**ref(model), "description": doc}}},
+        }
+        for name, model, doc in comps
+    ]
+
+
 def recipe_json_schema() -> dict[str, Any]:
     kinds = {
         "ModelBackendAbstraction": _components(BACKENDS),
@@ -63,22 +82,7 @@ def recipe_json_schema() -> dict[str, Any]:
         return keys[(model, "validation")]
 
     for def_name, comps in kinds.items():
-        d = defs[def_name]
-        d["properties"]["type_"] = {
-            **d["properties"]["type_"],
-            "enum": [name for name, _, _ in comps],
-        }
-        d["properties"]["args"] = {
-            "type": "object",
-            "description": d["properties"]["args"].get("description", ""),
-        }
-        d["allOf"] = [
-            {
-                "if": {"properties": {"type_": {"const": name}}, "required": ["type_"]},
-                "then": {"properties": {"args": {**ref(model), "description": doc}}},
-            }
-            for name, model, doc in comps
-        ]
+        _one_of_components(defs[def_name], comps, ref)
     recipe = defs["Recipe"]
     recipe["properties"]["dataflow"] = {
         "description": recipe["properties"]["dataflow"].get("description", ""),

@@ -7,6 +7,7 @@ read here, which then take their neutral value.
 from __future__ import annotations
 
 from arealcli.schema.recipe import Recipe, on_rollout_side
+from arealcli.schema.registry import INTERFACES
 
 
 def samples_per_step(recipe: Recipe) -> tuple[int, int]:
@@ -22,6 +23,12 @@ def samples_per_step(recipe: Recipe) -> tuple[int, int]:
 def _count(value) -> int:
     """A positive count, or 1 for anything else (a plugin's field of another meaning)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def _on_dataset(call) -> bool:
+    """Does the call train on the dataset's own sequences (one per prompt, e.g. SFT), not on samples?"""
+    entry = INTERFACES.find(call.interface.type_)
+    return entry is not None and entry.trains_on_dataset
 
 
 def _minibatches(call) -> tuple[int, int]:
@@ -47,7 +54,7 @@ def plan_lines(recipe: Recipe) -> list[str]:
         if call.type != "train_step":
             continue
         mbs, reuse = _minibatches(call)
-        size = prompts * n if call.interface.type_ != "sft" else prompts
+        size = prompts if _on_dataset(call) else prompts * n
         mb = call.mb_spec
         split = f">= {mb.n_mbs} micro-batch(es)" + (
             f" of <= {mb.max_tokens_per_mb} tokens" if mb.max_tokens_per_mb else ""
@@ -67,7 +74,7 @@ def plan_problems(recipe: Recipe) -> list[tuple[tuple, str]]:
     prompts, n = samples_per_step(recipe)
     out = []
     for i, call in enumerate(recipe.dataflow.calls):
-        if call.type != "train_step" or call.interface.type_ == "sft":
+        if call.type != "train_step" or _on_dataset(call):
             continue
         mbs, _ = _minibatches(call)
         if (prompts * n) % mbs:

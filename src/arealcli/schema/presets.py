@@ -19,24 +19,36 @@ positions so that an error in `actor:` points at that line.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import Field, NonNegativeInt, ValidationError, field_validator
+from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_validator
 
 from arealcli.schema.base import Name, StrictModel
-from arealcli.schema.registry import suggest
+from arealcli.schema.components.engine import GenerationHyperparameters
+from arealcli.schema.components.interfaces import PPOCriticArgs
+from arealcli.schema.problems import problems_from_validation_error
+from arealcli.schema.registry import dataset_keys, suggest
 from arealcli.schema.source import Located, Path_
 
-PRESETS = ("sft", "grpo", "ppo")
 # Preset keys each preset ignores: giving one is a mistake worth saying.
 UNUSED = {
     "sft": ("actor", "critic", "reward", "shaping", "sft_warmup_steps"),
     "grpo": ("critic", "model"),
     "ppo": ("model",),
 }
+# The models a preset takes by name.
+MODEL_NAMES = ("actor", "ref", "critic", "actor_gen")
 
+SFT_INPUTS = ("packed_input_ids", "prompt_mask")
 # `version` (meta): the policy version that generated each sample (it lags when generation servers do)
 GEN_OUT = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "version", "version_last"]
+RETURNS_INPUTS = ("packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "rewards")
+TRAIN_INPUTS = (*RETURNS_INPUTS, "version", "version_last")
+RETURNS_OUT = ["advantages", "returns", "seq_scores", "kl_coef"]
+# `returns` args taken from the actor's block (and the critic's lambda for ppo's returns)
+RETURNS_FROM_ACTOR = ("shaping", "gae_lambda", "adaptive_kl_target", "adaptive_kl_horizon")
 
 
 def _call(name, model, type_, args, call_type, inputs, outputs, mb_spec, **extra) -> dict[str, Any]:
@@ -54,165 +66,166 @@ def _call(name, model, type_, args, call_type, inputs, outputs, mb_spec, **extra
     return call
 
 
-RETURNS_OUT = ["advantages", "returns", "seq_scores", "kl_coef"]
-# `returns` args taken from the actor's block (and the critic's lambda for ppo's returns)
-RETURNS_FROM_ACTOR = ("shaping", "gae_lambda", "adaptive_kl_target", "adaptive_kl_horizon")
+def _default(model: type[BaseModel], name: str) -> Any:
+    return model.model_fields[name].default
 
 
-def returns_args(actor: dict[str, Any], critic: dict[str, Any], preset: str) -> dict[str, Any]:
+def returns_args(actor: dict[str, Any], critic: dict[str, Any] | None) -> dict[str, Any]:
+    """The `returns` call's args: from the actor's block, and the critic's GAE lambda when there is one."""
     args = {k: actor[k] for k in RETURNS_FROM_ACTOR if k in actor}
     generation = actor.get("generation")
     if isinstance(generation, dict) and "max_new_tokens" in generation:
         args["max_new_tokens"] = generation["max_new_tokens"]
     elif generation is None or isinstance(generation, dict):
-        args["max_new_tokens"] = 16  # GenerationHyperparameters' default
-    if preset == "ppo":
-        args["returns_lambda"] = critic.get("gae_lambda", 0.95)  # PPOCriticArgs' default
+        args["max_new_tokens"] = _default(GenerationHyperparameters, "max_new_tokens")
+    if critic is not None:
+        args["returns_lambda"] = critic.get("gae_lambda", _default(PPOCriticArgs, "gae_lambda"))
     return args
 
 
-def expand(df: dict[str, Any], models: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[int, str]]:
+Calls = tuple[list[dict[str, Any]], dict[int, str]]  # the calls, and per call index its args' preset key
+
+
+def _sft_call(name: str, model: str, mb_spec: Any, **extra: Any) -> dict[str, Any]:
+    return _call(name, model, "sft", {}, "train_step", [*SFT_INPUTS], [], mb_spec, **extra)
+
+
+@dataclass
+class _RL:
+    """The calls of an RL preset as they are built: each stage adds its calls and the keys they feed."""
+
+    df: dict[str, Any]
+    models: dict[str, Any]
+    actor: dict[str, Any]
+    critic: dict[str, Any] | None  # ppo only
+    warmup: int  # SFT steps before RL starts
+    episode: list[str]  # `loss_mask` with a workflow
+    train_inputs: list[str]
+    returns_inputs: list[str]
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    origin: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, df: dict[str, Any], models: dict[str, Any], adv_norm: str | None, critic: bool) -> _RL:
+        shaping = {"shaping": df["shaping"]} if df.get("shaping") else {}
+        actor = {**(df.get("actor") or {}), **shaping}
+        if adv_norm is not None:
+            actor.setdefault("adv_norm", adv_norm)
+        # episodes (a workflow): `loss_mask` marks the model's own tokens for the reward (its final answer),
+        # the returns and the updates (tool output never trains)
+        episode = ["loss_mask"] if actor.get("workflow") is not None else []
+        return cls(
+            df,
+            models,
+            actor,
+            critic={**(df.get("critic") or {}), **shaping} if critic else None,
+            warmup=df.get("sft_warmup_steps") or 0,
+            episode=episode,
+            train_inputs=[*TRAIN_INPUTS, *episode],
+            returns_inputs=[*RETURNS_INPUTS, *episode],
+        )
+
+    def add(self, origin: str | None, name, model, type_, args, call_type, inputs, outputs, **extra) -> None:
+        """Append a call that runs once the SFT warmup is over; `origin`: the preset key of its args."""
+        if origin is not None:
+            self.origin[len(self.calls)] = origin
+        rl = {"start_step": self.warmup} if self.warmup else {}
+        mb = self.df.get("mb_spec")
+        self.calls.append(_call(name, model, type_, args, call_type, inputs, outputs, mb, **extra, **rl))
+
+
+def _warmup(g: _RL) -> None:
+    if g.warmup:
+        g.calls.append(_sft_call("sft_warmup", "actor", g.df.get("mb_spec"), end_step=g.warmup))
+
+
+def _generate(g: _RL) -> None:
+    model = "actor_gen" if "actor_gen" in g.models else "actor"  # e.g. generation servers of the actor
+    outputs = GEN_OUT + g.episode
+    g.add("actor", "actor_gen", model, "ppo_actor", g.actor, "generate", ["packed_prompts"], outputs)
+
+
+def _reward(g: _RL) -> None:
+    inputs = ["packed_input_ids", "prompt_mask", "answers", *g.episode]
+    g.add("reward", "reward", None, "reward", g.df.get("reward") or {}, "inference", inputs, ["rewards"])
+
+
+def _logprobs(g: _RL, name: str, model: str, key: str) -> None:
+    """An inference call of the actor's interface that keeps its log-probs as `key`, for the update."""
+    inputs, remap = ["packed_input_ids"], {"packed_logprobs": key}
+    g.add("actor", name, model, "ppo_actor", g.actor, "inference", inputs, [key], output_key_remap=remap)
+    g.train_inputs.append(key)
+
+
+def _reference(g: _RL) -> None:
+    if "ref" in g.models:
+        _logprobs(g, "ref_inf", "ref", "packed_ref_logprobs")
+        g.returns_inputs.append("packed_ref_logprobs")
+
+
+def _proximal(g: _RL) -> None:
+    """Decoupled PPO: the proximal log-probs, of the current policy before the update."""
+    if g.actor.get("use_decoupled_loss") is True:
+        _logprobs(g, "actor_prox", "actor", "packed_prox_logprobs")
+
+
+def _values(g: _RL) -> None:
+    if g.critic is not None:
+        inputs, outputs = ["packed_input_ids"], ["values"]
+        g.add("critic", "critic_inf", "critic", "ppo_critic", g.critic, "inference", inputs, outputs)
+        g.train_inputs.append("values")
+        g.returns_inputs.append("values")
+
+
+def _returns(g: _RL) -> None:
+    """Rewards -> advantages and returns, once, for the actor and the critic (one KL controller)."""
+    args = returns_args(g.actor, g.critic)
+    g.add(None, "returns", None, "returns", args, "inference", g.returns_inputs, RETURNS_OUT)
+    g.train_inputs += RETURNS_OUT
+
+
+def _train(g: _RL) -> None:
+    g.add("actor", "actor_train", "actor", "ppo_actor", g.actor, "train_step", g.train_inputs, [])
+    if g.critic is not None:
+        g.add("critic", "critic_train", "critic", "ppo_critic", g.critic, "train_step", g.train_inputs, [])
+
+
+_RL_STAGES = (_warmup, _generate, _reward, _reference, _proximal, _values, _returns, _train)
+
+
+def _rl(df: dict[str, Any], models: dict[str, Any], adv_norm: str | None, critic: bool) -> Calls:
+    g = _RL.of(df, models, adv_norm, critic)
+    for stage in _RL_STAGES:
+        stage(g)
+    return g.calls, g.origin
+
+
+def _sft(df: dict[str, Any], models: dict[str, Any]) -> Calls:
+    """One SFT call on `model`."""
+    return [_sft_call("sft", df.get("model", "default"), df.get("mb_spec"))], {}
+
+
+def _grpo(df: dict[str, Any], models: dict[str, Any]) -> Calls:
+    """GRPO: group-normalized advantages, no critic."""
+    return _rl(df, models, adv_norm="group", critic=False)
+
+
+def _ppo(df: dict[str, Any], models: dict[str, Any]) -> Calls:
+    """PPO: a critic's values for the returns, and its own update."""
+    return _rl(df, models, adv_norm=None, critic=True)
+
+
+EXPANDERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], Calls]] = {
+    "sft": _sft,
+    "grpo": _grpo,
+    "ppo": _ppo,
+}
+PRESETS = tuple(EXPANDERS)
+
+
+def expand(df: dict[str, Any], models: dict[str, Any]) -> Calls:
     """Calls of a preset, and for each call index the preset key its interface args came from."""
-    preset = df["preset"]
-    mb = df.get("mb_spec")
-    if preset == "sft":
-        model = df.get("model", "default")
-        return [_call("sft", model, "sft", {}, "train_step", ["packed_input_ids", "prompt_mask"], [], mb)], {}
-    shaping = df.get("shaping") or {}
-    actor = {**(df.get("actor") or {}), **({"shaping": shaping} if shaping else {})}
-    if preset == "grpo":
-        actor.setdefault("adv_norm", "group")
-    calls: list[dict[str, Any]] = []
-    origin: dict[int, str] = {}
-    warmup = df.get("sft_warmup_steps") or 0
-    if warmup:
-        calls.append(
-            _call(
-                "sft_warmup",
-                "actor",
-                "sft",
-                {},
-                "train_step",
-                ["packed_input_ids", "prompt_mask"],
-                [],
-                mb,
-                end_step=warmup,
-            )
-        )
-    rl = {"start_step": warmup} if warmup else {}
-    origin[len(calls)] = "actor"
-    gen_model = "actor_gen" if "actor_gen" in models else "actor"  # e.g. generation servers of the actor
-    # episodes (a workflow): `loss_mask` marks the model's own tokens for the reward (its final answer),
-    # the returns and the updates (tool output never trains)
-    episode = ["loss_mask"] if actor.get("workflow") is not None else []
-    calls.append(
-        _call(
-            "actor_gen", gen_model, "ppo_actor", actor, "generate", ["packed_prompts"], GEN_OUT + episode, mb,
-            **rl,
-        )
-    )  # fmt: skip
-    origin[len(calls)] = "reward"
-    calls.append(
-        _call(
-            "reward",
-            None,
-            "reward",
-            df.get("reward") or {},
-            "inference",
-            ["packed_input_ids", "prompt_mask", "answers", *episode],
-            ["rewards"],
-            mb,
-            **rl,
-        )
-    )
-    train_inputs = [
-        "packed_input_ids",
-        "prompt_mask",
-        "packed_logprobs",
-        "seq_no_eos_mask",
-        "rewards",
-        "version",
-        "version_last",
-        *episode,
-    ]
-    if "ref" in models:
-        origin[len(calls)] = "actor"
-        calls.append(
-            _call(
-                "ref_inf",
-                "ref",
-                "ppo_actor",
-                actor,
-                "inference",
-                ["packed_input_ids"],
-                ["packed_ref_logprobs"],
-                mb,
-                output_key_remap={"packed_logprobs": "packed_ref_logprobs"},
-                **rl,
-            )
-        )
-        train_inputs.append("packed_ref_logprobs")
-    if actor.get("use_decoupled_loss") is True:  # proximal log-probs: the current policy, before the update
-        origin[len(calls)] = "actor"
-        calls.append(
-            _call(
-                "actor_prox",
-                "actor",
-                "ppo_actor",
-                actor,
-                "inference",
-                ["packed_input_ids"],
-                ["packed_prox_logprobs"],
-                mb,
-                output_key_remap={"packed_logprobs": "packed_prox_logprobs"},
-                **rl,
-            )
-        )
-        train_inputs.append("packed_prox_logprobs")
-    critic = {**(df.get("critic") or {}), **({"shaping": shaping} if shaping else {})}
-    returns_inputs = [
-        "packed_input_ids",
-        "prompt_mask",
-        "packed_logprobs",
-        "seq_no_eos_mask",
-        "rewards",
-        *episode,
-    ]
-    if "ref" in models:
-        returns_inputs.append("packed_ref_logprobs")
-    if preset == "ppo":
-        origin[len(calls)] = "critic"
-        calls.append(
-            _call(
-                "critic_inf",
-                "critic",
-                "ppo_critic",
-                critic,
-                "inference",
-                ["packed_input_ids"],
-                ["values"],
-                mb,
-                **rl,
-            )
-        )
-        train_inputs.append("values")
-        returns_inputs.append("values")
-    # rewards -> advantages and returns, once, for the actor and the critic (one KL controller)
-    calls.append(
-        _call(
-            "returns", None, "returns", returns_args(actor, critic, preset), "inference",
-            returns_inputs, RETURNS_OUT, mb, **rl,
-        )
-    )  # fmt: skip
-    train_inputs += RETURNS_OUT
-    origin[len(calls)] = "actor"
-    calls.append(_call("actor_train", "actor", "ppo_actor", actor, "train_step", train_inputs, [], mb, **rl))
-    if preset == "ppo":
-        origin[len(calls)] = "critic"
-        calls.append(
-            _call("critic_train", "critic", "ppo_critic", critic, "train_step", train_inputs, [], mb, **rl)
-        )
-    return calls, origin
+    return EXPANDERS[df["preset"]](df, models)
 
 
 class PresetSpec(StrictModel):
@@ -244,8 +257,27 @@ def expand_in_place(src: Located) -> list[tuple[Path_, str]]:
     df = src.data.get("dataflow")
     if not isinstance(df, dict) or "preset" not in df:
         return []
+    spec, problems = _read(df)
+    if spec is None:
+        return problems
+    models = src.data.get("models") if isinstance(src.data.get("models"), dict) else {}
+    calls, origin = expand(spec.model_dump(exclude_none=True), models)
+    if "loss_mask" in (
+        dataset_keys(src.data.get("dataset")) or ()
+    ):  # chat data: the loss on assistant tokens
+        for call in calls:
+            if call["interface"]["type_"] == "sft":
+                call["inputs"].append("loss_mask")
+    for i, call in enumerate(calls):
+        _alias(src, df, spec.preset, ("dataflow", "calls", i), call, origin.get(i))
+    src.data["dataflow"] = {"calls": calls}
+    return []
+
+
+def _read(df: dict[str, Any]) -> tuple[PresetSpec | None, list[tuple[Path_, str]]]:
+    """The preset's spec, or None and the problems that stop its expansion."""
     if df.get("calls") is not None:
-        return [
+        return None, [
             (
                 ("dataflow", "calls"),
                 "give either `preset` or `calls`, not both (see `areal check --print` for a preset's calls)",
@@ -254,53 +286,39 @@ def expand_in_place(src: Located) -> list[tuple[Path_, str]]:
     try:
         spec = PresetSpec.model_validate(df)
     except ValidationError as e:
-        return [
-            (("dataflow", *loc), message)
-            for loc, message in ((p.path, p.message) for p in _problems(e, PresetSpec))
+        return None, [
+            (("dataflow", *p.path), p.message) for p in problems_from_validation_error(e, PresetSpec)
         ]
     unused = [k for k in UNUSED[spec.preset] if df.get(k) is not None]
     if unused:
-        return [(("dataflow", k), f"the {spec.preset} preset does not use `{k}`") for k in unused]
-    models = src.data.get("models") if isinstance(src.data.get("models"), dict) else {}
-    calls, origin = expand(spec.model_dump(exclude_none=True), models)
-    if "loss_mask" in _dataset_keys(src.data.get("dataset")):  # chat data: the loss on assistant tokens
-        for call in calls:
-            if call["interface"]["type_"] == "sft":
-                call["inputs"].append("loss_mask")
-    for i, call in enumerate(calls):
-        here = ("dataflow", "calls", i)
-        src.aliases[here] = ("dataflow", f"preset[{spec.preset}]", call["name"])
-        if "mb_spec" in df:
-            src.aliases[here + ("mb_spec",)] = ("dataflow", "mb_spec")
-        if i in origin:
-            src.aliases[here + ("interface", "args")] = ("dataflow", origin[i])
-            if origin[i] in ("actor", "critic") and "shaping" in df:
-                src.aliases[here + ("interface", "args", "shaping")] = ("dataflow", "shaping")
-        if call["name"] == "returns":  # its args came from the actor's block (and the critic's lambda)
-            args = here + ("interface", "args")
-            for key in RETURNS_FROM_ACTOR:
-                src.aliases[args + (key,)] = ("dataflow", "actor", key)
-            src.aliases[args + ("max_new_tokens",)] = ("dataflow", "actor", "generation", "max_new_tokens")
-            src.aliases[args + ("returns_lambda",)] = ("dataflow", "critic", "gae_lambda")
-            if "shaping" in df:
-                src.aliases[args + ("shaping",)] = ("dataflow", "shaping")
-        if call.get("end_step") is not None or call.get("start_step"):
-            src.aliases[here + ("end_step",)] = src.aliases[here + ("start_step",)] = (
-                "dataflow",
-                "sft_warmup_steps",
-            )
-    src.data["dataflow"] = {"calls": calls}
-    return []
+        return None, [(("dataflow", k), f"the {spec.preset} preset does not use `{k}`") for k in unused]
+    return spec, []
 
 
-def _dataset_keys(raw: Any) -> frozenset[str]:
-    from arealcli.schema.registry import DATASETS
+def _alias(
+    src: Located, df: dict[str, Any], preset: str, here: Path_, call: dict, origin: str | None
+) -> None:
+    """Point what is said of a generated call at the preset key it came from."""
+    src.aliases[here] = ("dataflow", f"preset[{preset}]", call["name"])
+    if "mb_spec" in df:
+        src.aliases[here + ("mb_spec",)] = ("dataflow", "mb_spec")
+    if origin is not None:
+        src.aliases[here + ("interface", "args")] = ("dataflow", origin)
+        if origin in ("actor", "critic") and "shaping" in df:
+            src.aliases[here + ("interface", "args", "shaping")] = ("dataflow", "shaping")
+    if call["name"] == "returns":  # its args came from the actor's block (and the critic's lambda)
+        _alias_returns(src, df, here + ("interface", "args"))
+    if call.get("end_step") is not None or call.get("start_step"):
+        src.aliases[here + ("end_step",)] = src.aliases[here + ("start_step",)] = (
+            "dataflow",
+            "sft_warmup_steps",
+        )
 
-    kind = raw.get("type_") if isinstance(raw, dict) else None
-    return DATASETS.get(kind).data_keys if isinstance(kind, str) and kind in DATASETS else frozenset()
 
-
-def _problems(err: ValidationError, model):
-    from arealcli.schema.validate import problems_from_validation_error
-
-    return problems_from_validation_error(err, model)
+def _alias_returns(src: Located, df: dict[str, Any], args: Path_) -> None:
+    for key in RETURNS_FROM_ACTOR:
+        src.aliases[args + (key,)] = ("dataflow", "actor", key)
+    src.aliases[args + ("max_new_tokens",)] = ("dataflow", "actor", "generation", "max_new_tokens")
+    src.aliases[args + ("returns_lambda",)] = ("dataflow", "critic", "gae_lambda")
+    if "shaping" in df:
+        src.aliases[args + ("shaping",)] = ("dataflow", "shaping")

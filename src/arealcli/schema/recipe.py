@@ -14,6 +14,7 @@ from arealcli.schema.base import (
     StrictModel,
 )
 from arealcli.schema.components.engine import MicroBatchSpec
+from arealcli.schema.registry import INTERFACES
 
 
 class ModelArchConfig(StrictModel):
@@ -135,12 +136,8 @@ def on_rollout_side(call: CallSpec) -> bool:
         return True
     if call.type != "inference" or call.model is not None:
         return False
-    from arealcli.schema.registry import INTERFACES, RegistryError
-
-    try:
-        return not INTERFACES.get(call.interface.type_).training_side
-    except RegistryError:
-        return True
+    entry = INTERFACES.find(call.interface.type_)
+    return entry is None or not entry.training_side
 
 
 class DataflowSpec(StrictModel):

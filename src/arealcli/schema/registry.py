@@ -47,6 +47,11 @@ class Entry:
     data_keys: frozenset[str] = field(default_factory=frozenset)
     # Backends only: what their engine can do (BACKEND_CAPABILITIES).
     capabilities: frozenset[str] = frozenset(BACKEND_CAPABILITIES)
+    # Interfaces only: what the checks, the batch plan and the progress line need to know of them.
+    value_head: bool = False  # its model is a critic: it must have a value head
+    language_model: bool = False  # it runs its model as a language model: it must have no value head
+    learns_from_rewards: bool = False  # its train_step learns from rewards (metrics: reward, accuracy)
+    trains_on_dataset: bool = False  # its train_step fits the dataset's sequences (one per prompt)
 
     def load(self) -> Any:
         if isinstance(self.target, str):
@@ -55,11 +60,16 @@ class Entry:
         return self.target
 
 
-def suggest(name: str, options: list[str]) -> str:
+def did_you_mean(name: str, options: list[str]) -> str:
+    """`; did you mean 'x'?` for the closest option, or nothing."""
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def suggest(name: str, options: list[str]) -> str:
+    """`did_you_mean`, then every option: `; did you mean 'x'? available: a, b`."""
     available = ", ".join(sorted(options)) or "none"
-    return f"{hint} available: {available}"
+    return f"{did_you_mean(name, options)} available: {available}"
 
 
 class Registry:
@@ -80,6 +90,13 @@ class Registry:
         if name not in self._entries:
             raise RegistryError(f"unknown {self.kind} {name!r}{suggest(name, list(self._entries))}")
         return self._entries[name]
+
+    def find(self, name: str) -> Entry | None:
+        """`get`, or None for an unknown name (reported where the name is checked)."""
+        try:
+            return self.get(name)
+        except RegistryError:
+            return None
 
     def validated(self, name: str) -> Entry:
         """`get` for a pydantic validator: an unknown name is a ValueError (with did-you-mean)."""
@@ -181,8 +198,18 @@ def implemented_call_types(cls: type) -> frozenset[str]:
     return frozenset(n for n in CALL_TYPES if getattr(cls, n, None) is not from_base.get(n))
 
 
-def register_interface(name: str, cls: type, *, needs_model: bool | None = None) -> type:
-    """Register a ModelInterface subclass; its `Args` (a pydantic model) validates recipe args."""
+def register_interface(
+    name: str,
+    cls: type,
+    *,
+    needs_model: bool | None = None,
+    value_head: bool = False,
+    language_model: bool = False,
+    learns_from_rewards: bool = False,
+    trains_on_dataset: bool = False,
+) -> type:
+    """Register a ModelInterface subclass; its `Args` (a pydantic model) validates recipe args. The flags
+    say what it is (see `Entry`); the checks, the batch plan and the progress line read them."""
     INTERFACES.add(
         Entry(
             name,
@@ -193,6 +220,10 @@ def register_interface(name: str, cls: type, *, needs_model: bool | None = None)
             implemented_call_types(cls),
             getattr(cls, "needs_model", True) if needs_model is None else needs_model,
             training_side=bool(getattr(cls, "training_side", False)),
+            value_head=value_head,
+            language_model=language_model,
+            learns_from_rewards=learns_from_rewards,
+            trains_on_dataset=trains_on_dataset,
         )
     )
     return cls
@@ -209,6 +240,13 @@ def register_backend(name: str, cls: type) -> type:
         )
     BACKENDS.add(Entry(name, cls, _args_model_of(cls), _doc_line(cls), cls.__module__, capabilities=caps))
     return cls
+
+
+def dataset_keys(raw: Any) -> frozenset[str] | None:
+    """Keys a raw `{type_, args}` dataset section provides; None when its type is unknown (reported
+    elsewhere)."""
+    kind = raw.get("type_") if isinstance(raw, dict) else None
+    return DATASETS.get(kind).data_keys if isinstance(kind, str) and kind in DATASETS else None
 
 
 def register_dataset(name: str, cls: type) -> type:
@@ -232,6 +270,12 @@ def register_workflow(name: str, cls: type) -> type:
     return cls
 
 
+def load_builtins() -> None:
+    """Fill the registries with the built-in components (a module is imported once). The only import of
+    `builtins`, and a lazy one: the table imports this module."""
+    from arealcli.schema import builtins  # noqa: F401
+
+
 _entry_points_loaded = False
 ENTRY_POINT_GROUP = "arealcli.plugins"
 
@@ -242,8 +286,7 @@ def load_entry_point_plugins() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    from arealcli.schema import builtins  # noqa: F401  (fills the registries)
-
+    load_builtins()
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             ep.load()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, PositiveInt, model_validator
 
 from arealcli.schema.base import StrictModel
+from arealcli.schema.registry import TOOLS
 
 
 class DataSourceArgs(StrictModel):
@@ -64,8 +65,6 @@ class PromptAnswerArgs(DataSourceArgs):
             raise ValueError(
                 "with episode_tools the prompts stay plain questions: drop apply_chat_template / messages_key"
             )
-        from arealcli.schema.registry import TOOLS
-
         for name in self.episode_tools:
             TOOLS.validated(name)
         return self

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from arealcli.schema.base import Abstraction, StrictModel
 from arealcli.schema.components.engine import GenerationHyperparameters
+from arealcli.schema.registry import REWARDS, WORKFLOWS
 
 
 def _registered_reward(name: str) -> str:
     """A reward function name must be registered (checked by `areal check`, not at the first use)."""
-    from arealcli.schema.registry import REWARDS
-
     REWARDS.validated(name)
     return name
 
@@ -149,10 +148,6 @@ class PPOActorArgs(StrictModel):
         """The workflow's args checked against its own model (typed, like every component's)."""
         if spec is None:
             return None
-        from pydantic import ValidationError
-
-        from arealcli.schema.registry import WORKFLOWS
-
         entry = WORKFLOWS.validated(spec.type_)
         if isinstance(spec.args, entry.args_model):
             return spec

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from arealcli.schema.base import StrictModel
+from arealcli.schema.registry import TOOLS
 
 
 class ToolSet(StrictModel):
@@ -21,8 +22,6 @@ class ToolSet(StrictModel):
     @field_validator("tools")
     @classmethod
     def _registered(cls, tools: list[str]) -> list[str]:
-        from arealcli.schema.registry import TOOLS
-
         for name in tools:
             TOOLS.validated(name)
         return tools

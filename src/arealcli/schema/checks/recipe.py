@@ -1,0 +1,70 @@
+"""Recipe-wide rules: the plugin `imports:`, evaluation's data, the function_calling workflow's needs."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from arealcli.schema.checks.context import Graph
+from arealcli.schema.problems import Problem
+from arealcli.schema.recipe import Recipe
+from arealcli.schema.registry import import_plugins
+
+_MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def check_imports(imports: Any) -> list[Problem]:
+    """Import the recipe's plugin modules: a list of dotted module names (checked before importing)."""
+    if imports is None:
+        return []
+    if not isinstance(imports, list):
+        return []  # the structural pass reports it
+    problems, modules = [], []
+    for i, module in enumerate(imports):
+        if isinstance(module, str) and _MODULE.match(module):
+            modules.append((i, module))
+        elif isinstance(module, str):
+            problems.append(Problem(("imports", i), "not a module name (e.g. my_pkg.algo)", module))
+    for i, module in modules:
+        problems.extend(Problem(("imports", i), msg) for msg in import_plugins([module]))
+    return problems
+
+
+def check_eval_dataset(g: Graph) -> list[Problem]:
+    trainer = g.data.get("trainer") if isinstance(g.data.get("trainer"), dict) else {}
+    if trainer.get("eval_every_n_steps") is None or g.data.get("eval_dataset") is not None:
+        return []
+    return [Problem(("trainer", "eval_every_n_steps"), "evaluation needs an `eval_dataset`")]
+
+
+def check_chat_workflows(recipe: Recipe) -> list[Problem]:
+    """The `function_calling` workflow renders whole conversations with the chat template: its prompts
+    must be plain questions, and the tokenizer must have a template."""
+    uses = any(
+        getattr(getattr(call.interface.args, "workflow", None), "type_", None) == "function_calling"
+        for call in recipe.dataflow.calls
+    )
+    if not uses:
+        return []
+    problems = []
+    for name in ("dataset", "eval_dataset"):
+        spec = getattr(recipe, name)
+        if spec is not None and getattr(spec.args, "apply_chat_template", False):
+            problems.append(
+                Problem(
+                    (name, "args", "apply_chat_template"),
+                    "the function_calling workflow renders the conversation with the chat template itself: "
+                    "give it plain questions (apply_chat_template: false)",
+                    True,
+                )
+            )
+    tok = recipe.tokenizer
+    if tok is not None and tok.kind == "char" and tok.chat_template is None:
+        problems.append(
+            Problem(
+                ("tokenizer",),
+                "the function_calling workflow needs a chat template; the char tokenizer has none "
+                "(set tokenizer.chat_template, one that writes <tool_call> calls)",
+            )
+        )
+    return problems
