@@ -33,8 +33,8 @@ def save_model(directory: Path, max_len: int):
     """The quickstart actor's architecture with random weights, saved with its char tokenizer."""
     from transformers import AutoModelForCausalLM
 
-    from arealcli.runtime.model import hf_config_from_arch
-    from arealcli.runtime.tokenizer import char_tokenizer
+    from arealcli.runtime.data.tokenizer import char_tokenizer
+    from arealcli.runtime.models.model import hf_config_from_arch
     from arealcli.schema.recipe import ModelArchConfig
 
     arch = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())["models"]["actor"]["config"]
@@ -121,8 +121,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from arealcli.runtime.data import SequenceSample
-    from arealcli.runtime.model import FinetuneSpec, Model
+    from arealcli.runtime.data.sample import SequenceSample
+    from arealcli.runtime.models.model import FinetuneSpec, Model
     from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would bury the table

@@ -35,7 +35,7 @@ class Ours:
     """The quickstart's trainer with RL from step 0; `step()` runs and times one GRPO step."""
 
     def __init__(self, prompts: int, n: int, max_new: int, reward: str, run_dir: Path):
-        from arealcli.runtime.trainer import Trainer
+        from arealcli.runtime.run.trainer import Trainer
         from arealcli.schema.source import apply_overrides, load_recipe_source
         from arealcli.schema.validate import validate
 
@@ -61,7 +61,7 @@ class Ours:
         return self.trainer.batches.batch(0, step)
 
     def step(self) -> None:
-        from arealcli.runtime.dataflow import run_calls
+        from arealcli.runtime.run.dataflow import run_calls
 
         step = len(self.times)
         batch = self.batch(step)

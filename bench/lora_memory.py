@@ -36,9 +36,9 @@ def worker(name: str, device: str, batch: int, seq_len: int, steps: int) -> dict
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from arealcli.runtime.backends.hf import HFBackend
-    from arealcli.runtime.data import SequenceSample
+    from arealcli.runtime.data.sample import SequenceSample
     from arealcli.runtime.interfaces.sft import num_answer_tokens, sft_loss
-    from arealcli.runtime.model import FinetuneSpec, Model
+    from arealcli.runtime.models.model import FinetuneSpec, Model
     from arealcli.schema.components.backends import HFBackendArgs
     from arealcli.schema.components.engine import MicroBatchSpec
 

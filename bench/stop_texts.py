@@ -35,9 +35,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from arealcli.runtime import generation
-    from arealcli.runtime.model import hf_config_from_arch
-    from arealcli.runtime.tokenizer import char_tokenizer
+    from arealcli.runtime.data.tokenizer import char_tokenizer
+    from arealcli.runtime.generation import sampling as generation
+    from arealcli.runtime.models.model import hf_config_from_arch
     from arealcli.schema.components.engine import GenerationHyperparameters
     from arealcli.schema.recipe import ModelArchConfig
 

@@ -149,7 +149,7 @@ class EngineRunner:
     """One of our backends, initialized as the trainer does it, stepped through `train_batch`."""
 
     def __init__(self, name: str, cfg, device, dtype, batch: int, seq_len: int, seed: int):
-        from arealcli.runtime.model import FinetuneSpec, Model
+        from arealcli.runtime.models.model import FinetuneSpec, Model
         from arealcli.schema.components import backends as b
         from arealcli.schema.components.engine import MicroBatchSpec, OptimizerConfig
 
@@ -175,7 +175,7 @@ class EngineRunner:
 
     @staticmethod
     def sample(seqs):
-        from arealcli.runtime.data import SequenceSample
+        from arealcli.runtime.data.sample import SequenceSample
 
         masks = [torch.zeros(s.numel(), dtype=torch.bool) for s in seqs]  # no prompt: loss on every token
         data = {"packed_input_ids": seqs, "prompt_mask": masks}

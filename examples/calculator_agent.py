@@ -10,7 +10,7 @@ in process. Use it from a recipe beside this file (or with this folder on PYTHON
 
 from __future__ import annotations
 
-from arealcli.runtime.agent import AgentWorkflow
+from arealcli.runtime.agents.agent import AgentWorkflow
 from arealcli.runtime.tools import ToolError, calculator
 from arealcli.schema.registry import register_workflow
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from arealcli.runtime.agent import AgentWorkflow
+from arealcli.runtime.agents.agent import AgentWorkflow
 from arealcli.runtime.tools import ToolError, calculator
 from arealcli.schema.registry import register_workflow
 

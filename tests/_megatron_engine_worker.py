@@ -43,8 +43,8 @@ def build(workdir: Path, model_dir: Path, tp: int, pp: int, n_steps: int):
     from transformers import AutoModelForCausalLM
 
     from arealcli.runtime.backends.megatron.backend import MegatronBackend
-    from arealcli.runtime.model import FinetuneSpec, Model
-    from arealcli.runtime.tokenizer import char_tokenizer
+    from arealcli.runtime.data.tokenizer import char_tokenizer
+    from arealcli.runtime.models.model import FinetuneSpec, Model
     from arealcli.schema.components.backends import MegatronBackendArgs
 
     module = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")

@@ -119,7 +119,7 @@ def ws(tmp_path: Path) -> Workspace:
 
 @pytest.fixture(scope="session")
 def char_tok():
-    from arealcli.runtime.tokenizer import char_tokenizer
+    from arealcli.runtime.data.tokenizer import char_tokenizer
 
     return char_tokenizer()
 
@@ -129,7 +129,7 @@ def tiny_module(tokenizer, seed: int = 0, **arch: Any):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from arealcli.runtime.model import hf_config_from_arch
+    from arealcli.runtime.models.model import hf_config_from_arch
     from arealcli.schema.recipe import ModelArchConfig
 
     torch.manual_seed(seed)
@@ -182,7 +182,7 @@ class Crash(Exception):
 
 def train_until_crash(recipe: Path, run_dir: Path, step: int) -> None:
     """Train `recipe` into `run_dir` and crash during step `step` (its checkpoints so far are kept)."""
-    from arealcli.runtime.trainer import Trainer
+    from arealcli.runtime.run.trainer import Trainer
     from arealcli.schema.source import load_recipe_source
     from arealcli.schema.validate import validate
 

@@ -14,12 +14,12 @@ import yaml
 
 from arealcli.runtime.backends.hf import HFBackend
 from arealcli.runtime.backends.sglang import SGLangBackend
-from arealcli.runtime.data import SequenceSample
-from arealcli.runtime.datasets import PromptAnswerDataset
+from arealcli.runtime.data.datasets import PromptAnswerDataset
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
 from arealcli.runtime.interfaces.reward import RewardInterface
 from arealcli.runtime.interfaces.sft import SFTInterface, answer_token_mask
-from arealcli.runtime.model import FinetuneSpec, Model
+from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.tools import ToolError, calculator, run_python
 from arealcli.schema.components.backends import HFBackendArgs, SGLangBackendArgs
 from arealcli.schema.components.datasets import PromptAnswerArgs
@@ -166,7 +166,7 @@ def test_tool_call_episodes_round_trip_through_training_on_hf(trained, char_tok)
 
 
 def test_episodes_on_the_embedded_server_match_hf(trained, char_tok, tmp_path):
-    from arealcli.runtime.server import launcher
+    from arealcli.runtime.clients import launcher
     from tests.test_server import start_servers
 
     model_dir, data = trained
@@ -432,7 +432,7 @@ def openai_server(trained, char_tok, tmp_path_factory):
     """The embedded server on the calculator-trained model, with a chat template."""
     import shutil
 
-    from arealcli.runtime.server import launcher
+    from arealcli.runtime.clients import launcher
     from tests.test_server import start_servers
 
     model_dir = tmp_path_factory.mktemp("oai") / "model"
@@ -593,7 +593,7 @@ def test_a_plugin_workflow_is_checked_and_trains(ws, cli):
 
 
 def test_tool_calls_as_text_or_as_chat_template_json():
-    from arealcli.runtime.workflows import ToolUseWorkflow
+    from arealcli.runtime.agents.workflows import ToolUseWorkflow
     from arealcli.schema.components.workflows import ToolUseArgs
 
     one = ToolUseWorkflow(ToolUseArgs(tools=["calculator"]))
@@ -610,7 +610,7 @@ def test_tool_calls_as_text_or_as_chat_template_json():
 def test_a_tool_that_hangs_answers_with_an_error():
     import threading
 
-    from arealcli.runtime.workflows import run_tool
+    from arealcli.runtime.agents.workflows import run_tool
 
     release = threading.Event()
 
@@ -690,7 +690,7 @@ def decode_final(out: SequenceSample, tok):
 
 
 AGENT_PLUGIN = """
-from arealcli.runtime.agent import AgentWorkflow
+from arealcli.runtime.agents.agent import AgentWorkflow
 from arealcli.schema.registry import register_workflow
 
 
@@ -744,7 +744,7 @@ def test_agent_mistakes_are_clear_errors(trained, char_tok, tmp_path, monkeypatc
 
 
 CHAT_AGENT_PLUGIN = """
-from arealcli.runtime.agent import AgentWorkflow
+from arealcli.runtime.agents.agent import AgentWorkflow
 from arealcli.schema.registry import register_workflow
 
 

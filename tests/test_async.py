@@ -15,10 +15,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from arealcli.runtime.datasets import Batches, PromptAnswerDataset
+from arealcli.runtime.data.datasets import Batches, PromptAnswerDataset
+from arealcli.runtime.data.tokenizer import char_tokenizer
 from arealcli.runtime.registry import register_reward
-from arealcli.runtime.tokenizer import char_tokenizer
-from arealcli.runtime.trainer import Trainer
+from arealcli.runtime.run.trainer import Trainer
 from arealcli.schema.components.datasets import PromptAnswerArgs
 from arealcli.schema.registry import REWARDS
 from arealcli.schema.source import apply_overrides, load_recipe_source
@@ -328,7 +328,7 @@ def test_plan_shows_the_two_sides(ws, cli):
 
 def test_local_engine_groups_pause_resume_and_updates(char_tok, tmp_path):
     from arealcli.runtime.backends.local import LocalBackend
-    from arealcli.runtime.model import FinetuneSpec, Model
+    from arealcli.runtime.models.model import FinetuneSpec, Model
     from arealcli.schema.components.backends import LocalBackendArgs
     from arealcli.schema.components.engine import GenerationHyperparameters
     from tests.conftest import tiny_module
@@ -359,7 +359,7 @@ def test_local_engine_groups_pause_resume_and_updates(char_tok, tmp_path):
         after = engine.submit_group([20, 21], g, eos, 1).result(timeout=30)[0]
         assert after.versions() == (7, 7) and engine.version == 7
         expected = tiny_module(char_tok, seed=2)
-        from arealcli.runtime import generation
+        from arealcli.runtime.generation import sampling as generation
 
         want = generation.generate(expected, [[20, 21]], g, eos, char_tok.pad_token_id, "cpu")
         assert after.output_ids == want.output_ids[0]

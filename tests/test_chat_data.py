@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from arealcli.errors import DataError
-from arealcli.runtime.datasets import ChatDataset, PromptAnswerDataset
+from arealcli.runtime.data.datasets import ChatDataset, PromptAnswerDataset
 from arealcli.runtime.interfaces.sft import num_answer_tokens
 from arealcli.schema.components.datasets import ChatArgs, PromptAnswerArgs
 from tests.conftest import TINY_ARCH

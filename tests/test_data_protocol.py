@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from arealcli.runtime.data import SequenceSample, pack_bins
+from arealcli.runtime.data.sample import SequenceSample, pack_bins
 from arealcli.schema.components.engine import MicroBatchSpec
 
 

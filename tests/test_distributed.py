@@ -21,7 +21,7 @@ from conftest import TINY_ARCH, Workspace, sft_recipe
 from safetensors.torch import load_file
 from test_cli_subprocess import areal_command
 
-from arealcli.runtime import checkpoint as ckpt
+from arealcli.runtime.run import checkpoint as ckpt
 
 TESTS_DIR = Path(__file__).resolve().parent
 EVAL = {"type_": "prompt_answer", "args": {"path": "test.jsonl"}, "batch_size": 5}
@@ -325,9 +325,9 @@ def _uneven_worker(rank: int, port: int, out: str) -> None:
     from test_engine import prompts_batch, sft_batch
 
     from arealcli.runtime.backends.fsdp import FSDPBackend
+    from arealcli.runtime.data.tokenizer import char_tokenizer
     from arealcli.runtime.interfaces.sft import num_answer_tokens, sft_loss
-    from arealcli.runtime.model import FinetuneSpec, Model
-    from arealcli.runtime.tokenizer import char_tokenizer
+    from arealcli.runtime.models.model import FinetuneSpec, Model
     from arealcli.schema.components.backends import FSDPBackendArgs
     from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
 

@@ -15,10 +15,10 @@ import torch
 from conftest import tiny_module
 
 from arealcli.runtime.backends.hf import HFBackend
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.train import TrainEngine
 from arealcli.runtime.interfaces.sft import num_answer_tokens, sft_loss
-from arealcli.runtime.model import FinetuneSpec, Model
+from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
 
@@ -404,7 +404,7 @@ def test_n_samples_through_repeat(char_tok):
 def test_save_to_hf_loads_with_transformers_and_generates(char_tok, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from arealcli.runtime.tokenizer import from_directory
+    from arealcli.runtime.data.tokenizer import from_directory
 
     engine = make_engine(char_tok, tiny_module(char_tok, seed=14), OPTIMIZERS["sgd"])
     engine.train_batch(sft_batch(4, seed=1), MicroBatchSpec(), sft_loss, num_answer_tokens, 0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arealcli.runtime import generation, lean_decoder
+from arealcli.runtime.generation import decoder as lean_decoder
+from arealcli.runtime.generation import sampling as generation
 from arealcli.schema.components.engine import GenerationHyperparameters
 from tests.conftest import tiny_module
 

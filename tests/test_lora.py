@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from arealcli.runtime.trainer import Trainer
+from arealcli.runtime.run.trainer import Trainer
 from arealcli.schema.source import apply_overrides, load_recipe_source
 from arealcli.schema.validate import RecipeInvalid, validate
 from tests.conftest import TINY_ARCH, sft_recipe, train_until_crash
@@ -127,7 +127,7 @@ def test_reference_is_the_actors_base_with_adapters_off(ws):
     trainer = run(path, ws.root / "run")
     actor, ref = trainer.models["actor"], trainer.models["ref"]
     assert ref.module.engine is actor.module  # one copy of the weights
-    from arealcli.runtime.data import SequenceSample
+    from arealcli.runtime.data.sample import SequenceSample
     from arealcli.schema.components.engine import MicroBatchSpec
 
     batch = SequenceSample.from_lists([0], {"packed_input_ids": [torch.tensor([3, 17, 22, 9, 40])]})
@@ -181,7 +181,7 @@ def test_grpo_on_adapters_raises_the_logprob_of_rewarded_samples(char_tok):
     from arealcli.runtime.backends.hf import HFBackend
     from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
     from arealcli.runtime.interfaces.rl_common import response_view
-    from arealcli.runtime.model import FinetuneSpec, Model
+    from arealcli.runtime.models.model import FinetuneSpec, Model
     from arealcli.schema.components.backends import HFBackendArgs
     from arealcli.schema.components.engine import MicroBatchSpec
     from arealcli.schema.components.interfaces import PPOActorArgs

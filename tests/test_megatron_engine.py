@@ -24,10 +24,10 @@ from conftest import sft_recipe, tiny_module  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from arealcli.runtime.backends.hf import HFBackend  # noqa: E402
-from arealcli.runtime.data import SequenceSample  # noqa: E402
+from arealcli.runtime.data.sample import SequenceSample  # noqa: E402
 from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface  # noqa: E402
 from arealcli.runtime.interfaces.sft import SFTInterface, num_answer_tokens, sft_loss  # noqa: E402
-from arealcli.runtime.model import FinetuneSpec, Model  # noqa: E402
+from arealcli.runtime.models.model import FinetuneSpec, Model  # noqa: E402
 from arealcli.schema.components.backends import HFBackendArgs, MegatronBackendArgs  # noqa: E402
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec  # noqa: E402
 from arealcli.schema.components.interfaces import PPOActorArgs, SFTArgs  # noqa: E402
@@ -339,7 +339,7 @@ def test_needs_torch_distributed(char_tok) -> None:
 
 
 def test_value_head_models_are_refused(world_of_one, char_tok) -> None:
-    from arealcli.runtime.value_head import with_value_head
+    from arealcli.runtime.models.value_head import with_value_head
 
     with pytest.raises(NotImplementedError, match="hf or fsdp"):
         megatron_model(char_tok, with_value_head(tiny_module(char_tok, **ARCH), seed=0))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from arealcli import api as model_api
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 
 
 def custom_loss_function(logits, data):

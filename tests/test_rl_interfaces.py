@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from arealcli.runtime.backends.hf import HFBackend
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
 from arealcli.runtime.interfaces.ppo_critic import PPOCriticInterface
 from arealcli.runtime.interfaces.reward import RewardInterface
 from arealcli.runtime.interfaces.rl_common import compute_returns, response_view, to_packed
-from arealcli.runtime.model import FinetuneSpec, Model
-from arealcli.runtime.value_head import with_value_head
+from arealcli.runtime.models.model import FinetuneSpec, Model
+from arealcli.runtime.models.value_head import with_value_head
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs, PPOCriticArgs, RewardArgs

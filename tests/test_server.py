@@ -27,12 +27,12 @@ from pydantic import ValidationError
 
 from arealcli.runtime.backends.hf import HFBackend
 from arealcli.runtime.backends.sglang import SGLangBackend, prompt_groups
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.clients import launcher
+from arealcli.runtime.clients.client import EventLoopThread, GenerationClient, GenerationServerError
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.sft import SFTInterface
-from arealcli.runtime.model import FinetuneSpec, Model
-from arealcli.runtime.server import launcher
-from arealcli.runtime.server.client import EventLoopThread, GenerationClient, GenerationServerError
-from arealcli.runtime.server.protocol import generate_payload, sampling_params, update_weights_payload
+from arealcli.runtime.models.model import FinetuneSpec, Model
+from arealcli.runtime.wire.sglang import generate_payload, sampling_params, update_weights_payload
 from arealcli.schema.components.backends import HFBackendArgs, SGLangBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import SFTArgs

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from arealcli.runtime import threads
+from arealcli.runtime.run import threads
 
 BUSY = "import time\nend = time.time() + 60\nwhile time.time() < end: pass\n"
 

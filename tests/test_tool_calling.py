@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from arealcli.runtime.backends.hf import HFBackend
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
 from arealcli.runtime.interfaces.sft import SFTInterface
-from arealcli.runtime.model import Model
-from arealcli.runtime.server.openai_api import ProtocolError, chat_message, parse_tool_calls, parse_tools
+from arealcli.runtime.models.model import Model
+from arealcli.runtime.wire.openai import ProtocolError, chat_message, parse_tool_calls, parse_tools
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs, SFTArgs
@@ -160,7 +160,7 @@ def test_hermes_calls_are_parsed_and_messages_normalized():
 
 @pytest.fixture(scope="module")
 def tool_server(caller, tmp_path_factory):
-    from arealcli.runtime.server import launcher
+    from arealcli.runtime.clients import launcher
     from tests.test_server import start_servers
 
     servers = start_servers(caller, tmp_path_factory.mktemp("tool-server-logs"))
@@ -305,7 +305,7 @@ def test_function_calling_checks(ws, cli):
     del recipe["dataset"]["args"]["apply_chat_template"]
     assert cli("check", ws.text("fc.yaml", yaml.safe_dump(recipe, sort_keys=False))).exit_code == 0
 
-    from arealcli.runtime.function_calling import tool_schema
+    from arealcli.runtime.tools import tool_schema
 
     assert tool_schema("python")["function"]["parameters"]["required"] == ["code"]
     assert tool_schema("calculator")["function"]["parameters"]["properties"] == {
@@ -412,7 +412,7 @@ def test_warm_up_episodes_are_what_the_function_calling_workflow_generates(calle
     template's newline after the last turn); the loss is on the model's replies; the prompt for
     generation stays the plain question."""
     from arealcli.errors import DataError
-    from arealcli.runtime.datasets import PromptAnswerDataset
+    from arealcli.runtime.data.datasets import PromptAnswerDataset
     from arealcli.schema.components.datasets import PromptAnswerArgs
     from tests.conftest import write_jsonl
 
@@ -453,7 +453,7 @@ def test_warm_up_episodes_are_what_the_function_calling_workflow_generates(calle
 
 
 def test_stop_texts_find_the_token_that_completes_a_text(tool_tok):
-    from arealcli.runtime.generation import GenerationResult, StopTexts
+    from arealcli.runtime.generation.sampling import GenerationResult, StopTexts
 
     def ids(text: str) -> list[int]:
         return tool_tok(text, add_special_tokens=False)["input_ids"]

@@ -12,8 +12,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from arealcli.runtime import checkpoint as ckpt
-from arealcli.runtime.trainer import Trainer
+from arealcli.runtime.run import checkpoint as ckpt
+from arealcli.runtime.run.trainer import Trainer
 from arealcli.schema.source import load_recipe_source
 from arealcli.schema.validate import validate
 from tests.conftest import train_until_crash

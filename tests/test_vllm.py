@@ -23,14 +23,14 @@ from pydantic import ValidationError
 
 from arealcli.runtime.backends.hf import HFBackend
 from arealcli.runtime.backends.vllm import PYTHON_ENV, VLLMBackend, server_command
-from arealcli.runtime.data import SequenceSample
-from arealcli.runtime.generation import process_logits
+from arealcli.runtime.clients import launcher
+from arealcli.runtime.clients.client import EventLoopThread, GenerationServerError
+from arealcli.runtime.clients.vllm import VLLMClient, completion_payload
+from arealcli.runtime.data.sample import SequenceSample
+from arealcli.runtime.generation.sampling import process_logits
 from arealcli.runtime.interfaces.sft import SFTInterface
-from arealcli.runtime.model import FinetuneSpec, Model
-from arealcli.runtime.server import launcher
-from arealcli.runtime.server.client import EventLoopThread, GenerationServerError
-from arealcli.runtime.server.protocol import sampling_params
-from arealcli.runtime.server.vllm_client import VLLMClient, completion_payload
+from arealcli.runtime.models.model import FinetuneSpec, Model
+from arealcli.runtime.wire.sglang import sampling_params
 from arealcli.schema.components.backends import HFBackendArgs, VLLMBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import SFTArgs
@@ -203,7 +203,7 @@ def test_greedy_stop_tokens_and_min_tokens(gen, reference, char_tok, loop):
         assert len(s.output_ids) >= 3 and stop not in s.output_ids[:3]
         # a stop text of two tokens: vLLM stops at the token completing it (stop strings, natively), and
         # the engine returns exactly the tokens up to it
-        from arealcli.runtime.generation import StopTexts
+        from arealcli.runtime.generation.sampling import StopTexts
 
         text = char_tok.decode(ids[1:3])
         end = StopTexts([text], char_tok.decode).first_end(ids)
@@ -471,7 +471,7 @@ def test_async_rollout_generates_on_vllm(ws, char_tok):
     more than one version after the policy that generated it."""
     import yaml
 
-    from arealcli.runtime.trainer import Trainer
+    from arealcli.runtime.run.trainer import Trainer
     from arealcli.schema.source import load_recipe_source
     from arealcli.schema.validate import validate
     from tests.conftest import TINY_ARCH, sft_recipe

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from arealcli.runtime.trainer import Trainer
+from arealcli.runtime.run.trainer import Trainer
 from arealcli.schema.source import load_recipe_source
 from arealcli.schema.validate import RecipeInvalid, validate
 from tests.conftest import REPO, TINY_ARCH, sft_recipe, train_until_crash

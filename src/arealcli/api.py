@@ -12,12 +12,13 @@
     SequenceSample, MicroBatchSpec, Model  the data protocol, micro-batch split, a model of the run
 """
 
+from arealcli.runtime.agents.workflows import Episode
 from arealcli.runtime.backends.base import ModelBackend
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.inference import GroupGenerator, InferenceEngine
 from arealcli.runtime.engines.train import TrainEngine
 from arealcli.runtime.interfaces.base import ModelInterface
-from arealcli.runtime.model import Model
+from arealcli.runtime.models.model import Model
 from arealcli.runtime.registry import (
     make_backend,
     make_dataset,
@@ -28,7 +29,6 @@ from arealcli.runtime.registry import (
     register_reward,
 )
 from arealcli.runtime.tools import ToolError, register_tool
-from arealcli.runtime.workflows import Episode
 from arealcli.schema.base import ModelBackendAbstraction, ModelInterfaceAbstraction
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.registry import register_workflow

@@ -126,25 +126,25 @@ def list_(
         return
     if one is not None:
         for kind, entries in payload.items():
-            for e in entries:
-                _show_one(kind, e)
+            for entry in entries:
+                _show_one(kind, entry)
         return
     for k, entries in payload.items():
         table = Table(title=k, show_lines=True, title_justify="left")
         table.add_column("name", style="bold cyan")
         table.add_column("what")
         table.add_column("arguments")
-        for e in entries:
-            what_text = Text(e["description"])
+        for entry in entries:
+            what_text = Text(entry["description"])
             for label, key in (("calls", "call_types"), ("can", "capabilities"), ("keys", "keys")):
-                if key in e:
-                    what_text.append(f"\n{label}: {', '.join(e[key])}", style="dim")
+                if key in entry:
+                    what_text.append(f"\n{label}: {', '.join(entry[key])}", style="dim")
             args = Text()
-            for i, a in enumerate(e["args"]):
+            for i, a in enumerate(entry["args"]):
                 args.append(("\n" if i else "") + a["name"], style="green")
                 args.append(f": {a['type']} = {a['default']}  ")
                 args.append(a["description"], style="dim")
-            table.add_row(e["name"], what_text, args if e["args"] else Text("none", style="dim"))
+            table.add_row(entry["name"], what_text, args if entry["args"] else Text("none", style="dim"))
         console.print(table)
     console.print(Text("areal list NAME shows one component with its nested settings", style="dim"))
 

@@ -29,8 +29,8 @@ def report(
         raise fail(problems)
     if labels and len(labels) != len(run_dirs):
         raise fail([f"--label given {len(labels)} times for {len(run_dirs)} run directories"])
-    from arealcli.runtime.progress import header
-    from arealcli.runtime.report import plot, summary_lines
+    from arealcli.runtime.console.progress import header
+    from arealcli.runtime.console.report import plot, summary_lines
 
     out = output or (run_dirs[0] / "report.png" if len(run_dirs) == 1 else Path("report.png"))
     written = plot(run_dirs, out, labels or None)

@@ -48,7 +48,7 @@ def serve(
     """Serve a model over SGLang's native HTTP protocol: /generate, /update_weights_from_disk, /health, ..."""
     if not (model / "config.json").is_file():
         raise fail([f"--model {model}: not a Hugging Face model directory (no config.json)"])
-    from arealcli.runtime.server.http_server import make_server, serve_forever
+    from arealcli.runtime.serve.http_server import make_server, serve_forever
 
     if num_threads:
         import torch

@@ -8,7 +8,7 @@ import typer
 
 from arealcli.commands.common import console, err_console, fail, load_recipe, say_error
 from arealcli.errors import UserError
-from arealcli.runtime.progress import header
+from arealcli.runtime.console.progress import header
 from arealcli.runtime.run.session import (
     RUN_MARKER,  # noqa: F401  (re-exported: the marker file's name)
     StopSignals,
@@ -59,7 +59,7 @@ def train(
         raise fail([f"--node-rank {node_rank} must be below --nnodes {nnodes}"])
     dp = data_parallel_size(resolved, world)
     if resolved.dataset.batch_size % dp:
-        from arealcli.runtime.trainer import batch_size_problem
+        from arealcli.runtime.run.trainer import batch_size_problem
 
         raise fail([batch_size_problem(resolved.dataset.batch_size, dp)])
     if node_rank == 0:  # the run directory is node 0's (shared with the other nodes)
@@ -75,7 +75,7 @@ def train(
     if world == 1:
         return train_here(resolved, recipe, run_dir, resume)
 
-    from arealcli.runtime.launch import LaunchSpec, WorkerJob, launch
+    from arealcli.runtime.run.launch import LaunchSpec, WorkerJob, launch
 
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
     result = launch(WorkerJob(str(recipe), overrides or [], str(run_dir), resume), spec)
@@ -87,13 +87,13 @@ def train(
         raise typer.Exit(result.exit_code)
     console.print(f"done: {result.global_step} steps on {world} processes; run directory {run_dir}")
     if node_rank == 0:
-        from arealcli.runtime.report import summary_lines
+        from arealcli.runtime.console.report import summary_lines
 
         header(console, summary_lines(run_dir))
 
 
 def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
-    from arealcli.runtime.report import summary_lines
+    from arealcli.runtime.console.report import summary_lines
     from arealcli.runtime.run.driver import Display, run
 
     def stopped(e: KeyboardInterrupt) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 
 
 def initialized() -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import torch
 
@@ -42,13 +43,24 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+_Optimizer = TypeVar("_Optimizer")
+
+
+def require_optimizer(
+    optimizer: _Optimizer | None, cfg: OptimizerConfig | None
+) -> tuple[_Optimizer, OptimizerConfig]:
+    """The optimizer of a model being trained and its settings; a model without them cannot be trained."""
+    if optimizer is None or cfg is None:
+        raise RuntimeError("this model has no optimizer: set `optimizer:` in its backend args to train it")
+    return optimizer, cfg
+
+
 def begin_step(
     optimizer, cfg: OptimizerConfig | None, total_steps: int, version_steps: int, lr_scale: float
 ) -> float:
     """Set the learning rate of the training step `version_steps` (x lr_scale); a model without an
     optimizer cannot be trained."""
-    if optimizer is None or cfg is None:
-        raise RuntimeError("this model has no optimizer: set `optimizer:` in its backend args to train it")
+    optimizer, cfg = require_optimizer(optimizer, cfg)
     lr = lr_at(version_steps, total_steps, cfg) * lr_scale
     set_lr(optimizer, lr)
     return lr

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import inspect
 import math
 import operator
 import os
@@ -23,8 +24,10 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
-from arealcli.schema.registry import TOOLS, Entry, NoArgs
+from arealcli.schema.base import NoArgs
+from arealcli.schema.registry import TOOLS, Entry
 
 Tool = Callable[[str], str]
 
@@ -49,7 +52,7 @@ def get_tool(name: str) -> Tool:
 
 # ------------------------------------------------------------------ calculator
 
-_BINARY = {
+_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
@@ -58,7 +61,7 @@ _BINARY = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPR_CHARS, MAX_EXPONENT, MAX_MAGNITUDE = 200, 64, 1e30
 
 
@@ -194,3 +197,21 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def python_tool(code: str) -> str:
     """Run a Python program in a sandbox (no network, time and memory limits); what it prints."""
     return run_python(code)
+
+
+def tool_schema(name: str) -> dict[str, Any]:
+    """A registered tool as an OpenAI function: one string parameter, named as the tool function's own
+    first parameter (the calculator's `expression`, python's `code`)."""
+    fn = get_tool(name)
+    try:
+        param = next(iter(inspect.signature(fn).parameters))
+    except (StopIteration, TypeError, ValueError):
+        param = "input"
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": TOOLS.get(name).description,
+            "parameters": {"type": "object", "properties": {param: {"type": "string"}}, "required": [param]},
+        },
+    }

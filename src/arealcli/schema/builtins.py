@@ -7,6 +7,10 @@ once, by `registry.load_builtins`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from pydantic import BaseModel
+
 from arealcli.schema.base import NoArgs
 from arealcli.schema.components.backends import (
     FSDPBackendArgs,
@@ -30,9 +34,35 @@ from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, REWARDS, TO
 _R = "arealcli.runtime"
 
 
-def _interface(name, target, args, description, call_types, needs_model=True, **flags):
+def _interface(
+    name: str,
+    target: str,
+    args: type[BaseModel],
+    description: str | None,
+    call_types: Iterable[str],
+    needs_model: bool = True,
+    *,
+    training_side: bool = False,
+    value_head: bool = False,
+    language_model: bool = False,
+    learns_from_rewards: bool = False,
+    trains_on_dataset: bool = False,
+) -> None:
     INTERFACES.add(
-        Entry(name, target, args, description, "builtin", frozenset(call_types), needs_model, **flags)
+        Entry(
+            name,
+            target,
+            args,
+            description or "",
+            "builtin",
+            frozenset(call_types),
+            needs_model,
+            training_side=training_side,
+            value_head=value_head,
+            language_model=language_model,
+            learns_from_rewards=learns_from_rewards,
+            trains_on_dataset=trains_on_dataset,
+        )
     )
 
 
@@ -92,7 +122,7 @@ for _name, _fn, _doc in [
 
 TRAINING = frozenset({"train", "forward", "generate"})
 GENERATION = frozenset({"generate", "update_weights"})
-for _name, _target, _args, _caps in [
+_BACKENDS: list[tuple[str, str, type[BaseModel], frozenset[str]]] = [
     ("hf", "backends.hf:HFBackend", HFBackendArgs, TRAINING | {"update_weights"}),
     ("fsdp", "backends.fsdp:FSDPBackend", FSDPBackendArgs, TRAINING),
     (
@@ -104,26 +134,31 @@ for _name, _target, _args, _caps in [
     ("local", "backends.local:LocalBackend", LocalBackendArgs, GENERATION),
     ("sglang", "backends.sglang:SGLangBackend", SGLangBackendArgs, GENERATION),
     ("vllm", "backends.vllm:VLLMBackend", VLLMBackendArgs, GENERATION),
-]:
-    BACKENDS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__, "builtin", capabilities=_caps))
+]
+for _name, _target, _args, _caps in _BACKENDS:
+    BACKENDS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__ or "", "builtin", capabilities=_caps))
 
 PROMPT_ANSWER_KEYS = frozenset(
     {"packed_input_ids", "prompt_mask", "loss_mask", "packed_prompts", "prompt", "answers"}
 )
 CHAT_KEYS = frozenset({"packed_input_ids", "prompt_mask", "loss_mask", "prompt"})
-for _name, _target, _args, _keys in [
+_DATASETS: list[tuple[str, str, type[BaseModel], frozenset[str]]] = [
     ("prompt_answer", "PromptAnswerDataset", PromptAnswerArgs, PROMPT_ANSWER_KEYS),
     ("chat", "ChatDataset", ChatArgs, CHAT_KEYS),
-]:
-    DATASETS.add(Entry(_name, f"{_R}.datasets:{_target}", _args, _args.__doc__, "builtin", data_keys=_keys))
+]
+for _name, _target, _args, _keys in _DATASETS:
+    DATASETS.add(
+        Entry(_name, f"{_R}.data.datasets:{_target}", _args, _args.__doc__ or "", "builtin", data_keys=_keys)
+    )
 
 for _name, _fn, _doc in [
     ("calculator", "calculator", "Arithmetic (+ - * / // % ** and parentheses) parsed with ast, never eval."),
     ("python", "python_tool", "Runs a Python program in a sandbox (no network, time and memory limits)."),
 ]:
     TOOLS.add(Entry(_name, f"{_R}.tools:{_fn}", NoArgs, _doc, "builtin"))
-for _name, _target, _args in [
-    ("tool_use", "workflows:ToolUseWorkflow", ToolUseArgs),
-    ("function_calling", "function_calling:FunctionCallingWorkflow", FunctionCallingArgs),
-]:
-    WORKFLOWS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__, "builtin"))
+_WORKFLOWS: list[tuple[str, str, type[BaseModel]]] = [
+    ("tool_use", "agents.workflows:ToolUseWorkflow", ToolUseArgs),
+    ("function_calling", "agents.function_calling:FunctionCallingWorkflow", FunctionCallingArgs),
+]
+for _name, _target, _args in _WORKFLOWS:
+    WORKFLOWS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__ or "", "builtin"))

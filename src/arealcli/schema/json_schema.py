@@ -68,7 +68,7 @@ def recipe_json_schema() -> dict[str, Any]:
         "DatasetSpec": _components(DATASETS),
     }
     args_models = {m for comps in kinds.values() for _, m, _ in comps}
-    models = [
+    models: list[type[BaseModel]] = [
         Recipe,
         DataflowSpec,
         DatasetSpec,

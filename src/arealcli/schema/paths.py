@@ -94,7 +94,7 @@ def _holds_data_files(folder: Path, max_entries: int = 10_000) -> bool | None:
     return False
 
 
-def _entries(folder: Path) -> list[os.DirEntry]:
+def _entries(folder: Path) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(folder) as it:
             return list(it)

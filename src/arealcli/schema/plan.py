@@ -6,8 +6,11 @@ read here, which then take their neutral value.
 
 from __future__ import annotations
 
-from arealcli.schema.recipe import Recipe, on_rollout_side
+from typing import Any
+
+from arealcli.schema.recipe import CallSpec, Recipe, on_rollout_side
 from arealcli.schema.registry import INTERFACES
+from arealcli.schema.source import Path_
 
 
 def samples_per_step(recipe: Recipe) -> tuple[int, int]:
@@ -20,18 +23,18 @@ def samples_per_step(recipe: Recipe) -> tuple[int, int]:
     return recipe.dataset.batch_size, n
 
 
-def _count(value) -> int:
+def _count(value: Any) -> int:
     """A positive count, or 1 for anything else (a plugin's field of another meaning)."""
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
-def _on_dataset(call) -> bool:
+def _on_dataset(call: CallSpec) -> bool:
     """Does the call train on the dataset's own sequences (one per prompt, e.g. SFT), not on samples?"""
     entry = INTERFACES.find(call.interface.type_)
     return entry is not None and entry.trains_on_dataset
 
 
-def _minibatches(call) -> tuple[int, int]:
+def _minibatches(call: CallSpec) -> tuple[int, int]:
     args = call.interface.args
     return _count(getattr(args, "n_minibatches", 1)), _count(getattr(args, "sample_reuse", 1))
 
@@ -69,10 +72,10 @@ def plan_lines(recipe: Recipe) -> list[str]:
     return lines
 
 
-def plan_problems(recipe: Recipe) -> list[tuple[tuple, str]]:
+def plan_problems(recipe: Recipe) -> list[tuple[Path_, str]]:
     """Divisibility rules: every minibatch gets the same number of sequences."""
     prompts, n = samples_per_step(recipe)
-    out = []
+    out: list[tuple[Path_, str]] = []
     for i, call in enumerate(recipe.dataflow.calls):
         if call.type != "train_step" or _on_dataset(call):
             continue

@@ -30,7 +30,7 @@ from arealcli.schema.components.engine import GenerationHyperparameters
 from arealcli.schema.components.interfaces import PPOCriticArgs
 from arealcli.schema.problems import problems_from_validation_error
 from arealcli.schema.registry import dataset_keys, suggest
-from arealcli.schema.source import Located, Path_
+from arealcli.schema.source import Located, Path_, mapping_at
 
 # Preset keys each preset ignores: giving one is a mistake worth saying.
 UNUSED = {
@@ -51,8 +51,18 @@ RETURNS_OUT = ["advantages", "returns", "seq_scores", "kl_coef"]
 RETURNS_FROM_ACTOR = ("shaping", "gae_lambda", "adaptive_kl_target", "adaptive_kl_horizon")
 
 
-def _call(name, model, type_, args, call_type, inputs, outputs, mb_spec, **extra) -> dict[str, Any]:
-    call = {
+def _call(
+    name: str,
+    model: str | None,
+    type_: str,
+    args: dict[str, Any],
+    call_type: str,
+    inputs: list[str],
+    outputs: list[str],
+    mb_spec: Any,
+    **extra: Any,
+) -> dict[str, Any]:
+    call: dict[str, Any] = {
         "name": name,
         "model": model,
         "interface": {"type_": type_, "args": copy.deepcopy(args)},
@@ -125,7 +135,18 @@ class _RL:
             returns_inputs=[*RETURNS_INPUTS, *episode],
         )
 
-    def add(self, origin: str | None, name, model, type_, args, call_type, inputs, outputs, **extra) -> None:
+    def add(
+        self,
+        origin: str | None,
+        name: str,
+        model: str | None,
+        type_: str,
+        args: dict[str, Any],
+        call_type: str,
+        inputs: list[str],
+        outputs: list[str],
+        **extra: Any,
+    ) -> None:
         """Append a call that runs once the SFT warmup is over; `origin`: the preset key of its args."""
         if origin is not None:
             self.origin[len(self.calls)] = origin
@@ -260,7 +281,7 @@ def expand_in_place(src: Located) -> list[tuple[Path_, str]]:
     spec, problems = _read(df)
     if spec is None:
         return problems
-    models = src.data.get("models") if isinstance(src.data.get("models"), dict) else {}
+    models = mapping_at(src.data, "models")
     calls, origin = expand(spec.model_dump(exclude_none=True), models)
     if "loss_mask" in (
         dataset_keys(src.data.get("dataset")) or ()
@@ -296,7 +317,7 @@ def _read(df: dict[str, Any]) -> tuple[PresetSpec | None, list[tuple[Path_, str]
 
 
 def _alias(
-    src: Located, df: dict[str, Any], preset: str, here: Path_, call: dict, origin: str | None
+    src: Located, df: dict[str, Any], preset: str, here: Path_, call: dict[str, Any], origin: str | None
 ) -> None:
     """Point what is said of a generated call at the preset key it came from."""
     src.aliases[here] = ("dataflow", f"preset[{preset}]", call["name"])

@@ -70,7 +70,7 @@ def _field_annotation(current: Any, part: Any) -> Any:
     return None
 
 
-def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+def _model_at(model: type[BaseModel], loc: Path_) -> type[BaseModel] | None:
     """The pydantic model class that owns the field at `loc` (to suggest valid keys)."""
     current: Any = model
     for part in loc:

@@ -12,9 +12,10 @@ import dataclasses
 import difflib
 import importlib
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel
 
@@ -33,7 +34,8 @@ class RegistryError(Exception):
 @dataclass
 class Entry:
     name: str
-    target: str | type  # "package.module:Class" (built-ins, imported lazily) or the object itself
+    # "package.module:Class" (built-ins, imported lazily) or the object itself (a class, a function)
+    target: str | Callable[..., Any]
     args_model: type[BaseModel]
     description: str
     origin: str
@@ -147,7 +149,7 @@ def _args_model_of(obj: Any) -> type[BaseModel]:
         return args
     if isinstance(args, type) and dataclasses.is_dataclass(args):  # `Args` a dataclass: cls(args) as usual
         model = dataclass_args_model(args)
-        model.__dataclass_interface__ = False
+        cast(Any, model).__dataclass_interface__ = False
         return model
     if isinstance(obj, type) and dataclasses.is_dataclass(obj):
         return dataclass_args_model(obj)
@@ -180,7 +182,8 @@ def dataclass_args_model(cls: type) -> type[BaseModel]:
     config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, arbitrary_types_allowed=True)
     model = create_model(f"{cls.__name__}Args", __config__=config, **fields)
     model.__doc__ = _doc_line(cls)
-    model.__dataclass_interface__ = True  # built from the fields: make_interface passes them as kwargs
+    # built from the fields: make_interface passes them as kwargs
+    cast(Any, model).__dataclass_interface__ = True
     return model
 
 
@@ -265,7 +268,7 @@ def register_reward(name: str, fn: Any) -> Any:
 
 def register_workflow(name: str, cls: type) -> type:
     """Register an episode workflow: `cls(args)` with `run(engine, tokenizer, prompts, gconfig) -> [Episode]`
-    (see arealcli.runtime.workflows)."""
+    (see arealcli.runtime.agents.workflows)."""
     WORKFLOWS.add(Entry(name, cls, _args_model_of(cls), _doc_line(cls), cls.__module__))
     return cls
 

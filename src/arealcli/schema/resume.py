@@ -54,7 +54,8 @@ def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(refused, allowed) differences, each as `path: saved -> now`."""
     a, b = flatten(saved), flatten(now)
-    refused, allowed = [], []
+    refused: list[str] = []
+    allowed: list[str] = []
     for key in sorted(set(a) | set(b)):
         if a.get(key, "(absent)") == b.get(key, "(absent)"):
             continue

@@ -72,7 +72,7 @@ class RecipeSourceError(Exception):
 
 
 class _TooDeep(Exception):
-    def __init__(self, mark):
+    def __init__(self, mark: yaml.Mark) -> None:
         self.mark = mark
 
 
@@ -82,11 +82,12 @@ def _loader_class() -> type[yaml.SafeLoader]:
     class Loader(yaml.SafeLoader):
         depth = 0
 
-        def compose_node(self, parent, index):
+        def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
             self.depth += 1
             try:
                 if self.depth > MAX_DEPTH:
-                    raise _TooDeep(self.peek_event().start_mark)
+                    # types-PyYAML leaves Parser.peek_event unannotated
+                    raise _TooDeep(self.peek_event().start_mark)  # type: ignore[no-untyped-call]
                 return super().compose_node(parent, index)
             finally:
                 self.depth -= 1
@@ -222,7 +223,7 @@ _NON_PRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd
 
 def _check_printable(text: str, file: str) -> None:
     """Every control character YAML refuses, as `file:line:col` (not the YAML reader's traceback)."""
-    problems = []
+    problems: list[str] = []
     for m in _NON_PRINTABLE.finditer(text):
         if len(problems) == 10:
             problems.append(f"{file}: (more control characters not listed)")
@@ -370,6 +371,12 @@ def apply_overrides(src: Located, overrides: list[str]) -> Located:
     if errors:
         raise RecipeSourceError(errors)
     return src
+
+
+def mapping_at(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """`data[key]` when it is a mapping, else an empty one (a wrong value is reported elsewhere)."""
+    value = data.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 def _dotted(path: Path_) -> str:

@@ -49,7 +49,7 @@ GRAPH_CHECKS = (
 )
 
 
-def check_graph(data: dict, typed: Typed) -> list[Problem]:
+def check_graph(data: dict[str, Any], typed: Typed) -> list[Problem]:
     g = graph_of(data, typed)
     return [] if g is None else [p for check in GRAPH_CHECKS for p in check(g)]
 
@@ -81,7 +81,7 @@ def validate(src: Located) -> Recipe:
     return recipe
 
 
-def _structure(data: dict) -> tuple[Recipe | None, list[Problem]]:
+def _structure(data: dict[str, Any]) -> tuple[Recipe | None, list[Problem]]:
     """The recipe model (its args still raw), or the structural problems."""
     try:
         return Recipe.model_validate(data), []
@@ -102,7 +102,10 @@ def _at(recipe: Recipe, path: Path_) -> Any:
     """The object at `path` of a validated recipe (an `Abstraction`)."""
     node: Any = recipe
     for part in path:
-        node = node[part] if isinstance(node, dict | list) else getattr(node, part)
+        if isinstance(part, str) and not isinstance(node, dict | list):
+            node = getattr(node, part)
+        else:
+            node = node[part]
     return node
 
 

@@ -1,0 +1,5 @@
+"""Model backends: factories that turn a model into an engine — hf, fsdp, megatron/ (training); local,
+sglang, vllm (generation).
+
+Layer 4: imports `clients`, `data`, `engines`, `generation`, `models`, `wire`, `distributed`, `optim`.
+"""

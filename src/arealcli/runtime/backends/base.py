@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from arealcli.runtime.engines.base import Engine
-from arealcli.runtime.model import FinetuneSpec, Model
+from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.schema.registry import BACKEND_CAPABILITIES
 
 
@@ -28,12 +28,16 @@ class ModelBackend:
     # True: `_initialize` gets `model.module = None` and builds what it needs from `model.source` (a
     # server loads weights of its own), so the trainer builds no torch module for the model.
     builds_weights: bool = False
-    # True: on resume, `load` restores the trained weights itself (LoRA adapters over a rebuilt base);
-    # otherwise the trainer loads the checkpoint's HF export into the module before `_initialize`.
-    resumes_weights: bool = False
 
     def __init__(self, args: Any):
         self.args = args
+
+    @property
+    def resumes_weights(self) -> bool:
+        """True: on resume, `load` restores the trained weights itself (LoRA adapters over a rebuilt base);
+        otherwise the trainer loads the checkpoint's HF export into the module before `_initialize`.
+        A subclass overrides it with a property or a plain class attribute."""
+        return False
 
     def initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         model = self._initialize(model, spec)

@@ -25,18 +25,27 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from arealcli.runtime import distributed, generation
+from arealcli.runtime import distributed
 from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.backends.hf import run_packed
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.train import TrainEngine, clip_and_step
-from arealcli.runtime.lora import adapter_state, is_lora, merged_state, save_adapters, scaling, with_lora
-from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
-from arealcli.runtime.optim import begin_step, build_optimizer
+from arealcli.runtime.generation import sampling as generation
+from arealcli.runtime.models.lora import (
+    adapter_state,
+    is_lora,
+    merged_state,
+    save_adapters,
+    scaling,
+    with_lora,
+)
+from arealcli.runtime.models.model import DTYPES, FinetuneSpec, Model
+from arealcli.runtime.optim import begin_step, build_optimizer, require_optimizer
 from arealcli.schema.components.backends import FSDPBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, OptimizerConfig
 
@@ -58,18 +67,21 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     for m in module.modules():
         names.update(getattr(m, "_no_split_modules", None) or [])
     layers = [m for m in module.modules() if type(m).__name__ in names]
-    if not layers and hasattr(getattr(module, "model", None), "layers"):
-        layers = list(module.model.layers)
+    inner: Any = getattr(module, "model", None)
+    if not layers and hasattr(inner, "layers"):
+        layers = list(inner.layers)
     return layers
 
 
-def write_hf_checkpoint(module: torch.nn.Module, architecture: str, state: dict, save_dir: str) -> None:
+def write_hf_checkpoint(
+    module: torch.nn.Module, architecture: str, state: dict[str, torch.Tensor], save_dir: str
+) -> None:
     """An HF directory (config.json + model.safetensors) from a full state dict."""
     from safetensors.torch import save_file
     from transformers import PreTrainedModel
 
     os.makedirs(save_dir, exist_ok=True)
-    config = copy.deepcopy(module.config)
+    config: Any = copy.deepcopy(module.config)  # the transformers config
     if isinstance(module, PreTrainedModel):
         config.architectures = [architecture]  # not the FSDP subclass fully_shard swapped in
     config.save_pretrained(save_dir)
@@ -91,7 +103,8 @@ class FSDPEngine(TrainEngine):
     ):
         from torch.distributed.fsdp import FSDPModule
 
-        self.module, self.device, self.architecture = module, device, architecture
+        self.module: Any = module  # a transformers model, or peft's wrapper of one (duck-typed)
+        self.device, self.architecture = device, architecture
         self.optimizer_cfg, self.total_train_steps = optimizer_cfg, total_train_steps
         self.optimizer = build_optimizer(module.parameters(), optimizer_cfg) if optimizer_cfg else None
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]  # same order everywhere
@@ -127,7 +140,9 @@ class FSDPEngine(TrainEngine):
 
     def finish_train_step(self, stepped: bool) -> float:
         # FSDP reduce-scattered the gradients as an average over ranks during backward
-        return clip_and_step(self.module.parameters(), self.optimizer, self.optimizer_cfg.gradient_clipping)
+        # begin_train_step checked that there is an optimizer
+        optimizer, cfg = require_optimizer(self.optimizer, self.optimizer_cfg)
+        return clip_and_step(self.module.parameters(), optimizer, cfg.gradient_clipping)
 
     @contextlib.contextmanager
     def generation_context(self):
@@ -162,8 +177,11 @@ class FSDPEngine(TrainEngine):
         weights, and the adapters in `adapter/`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(
-            self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = cast(  # a full state dict holds plain tensors
+            dict[str, torch.Tensor],
+            get_model_state_dict(
+                self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            ),
         )
         if distributed.rank() == 0:
             module = self.module
@@ -190,7 +208,7 @@ class FSDPEngine(TrainEngine):
         if self.lora:  # every rank reads the adapters; each keeps its shards
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-            adapters = {k: v.to(self.device) for k, v in adapter_state(load_dir).items()}
+            adapters: dict[str, Any] = {k: v.to(self.device) for k, v in adapter_state(load_dir).items()}
             result = set_model_state_dict(
                 self.module, adapters, options=StateDictOptions(full_state_dict=True, strict=False)
             )

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 import torch
 
-from arealcli.runtime import distributed, generation
+from arealcli.runtime import distributed
 from arealcli.runtime.backends.base import ModelBackend
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.train import TrainEngine, average_gradients, clip_and_step
-from arealcli.runtime.lora import ADAPTER_DIR, is_lora, with_lora
-from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
-from arealcli.runtime.optim import begin_step, build_optimizer
+from arealcli.runtime.generation import sampling as generation
+from arealcli.runtime.models.lora import ADAPTER_DIR, is_lora, with_lora
+from arealcli.runtime.models.model import DTYPES, FinetuneSpec, Model
+from arealcli.runtime.optim import begin_step, build_optimizer, require_optimizer
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, OptimizerConfig
 
@@ -48,7 +50,7 @@ class HFEngine(TrainEngine):
         optimizer_cfg: OptimizerConfig | None,
         total_train_steps: int,
     ):
-        self.module = module
+        self.module: Any = module  # a transformers model, or peft's wrapper of one (duck-typed)
         self.device = device
         self.compute_dtype = compute_dtype
         self.optimizer_cfg = optimizer_cfg
@@ -70,7 +72,9 @@ class HFEngine(TrainEngine):
 
     def finish_train_step(self, stepped: bool) -> float:
         average_gradients(self.module.parameters())  # no-op in a single process
-        return clip_and_step(self.module.parameters(), self.optimizer, self.optimizer_cfg.gradient_clipping)
+        # begin_train_step checked that there is an optimizer
+        optimizer, cfg = require_optimizer(self.optimizer, self.optimizer_cfg)
+        return clip_and_step(self.module.parameters(), optimizer, cfg.gradient_clipping)
 
     @property
     def lora(self) -> bool:
@@ -116,10 +120,9 @@ class HFEngine(TrainEngine):
 
             adapters = load_file(os.path.join(load_dir, ADAPTER_DIR, "adapter_model.safetensors"))
             result = set_peft_model_state_dict(self.module, adapters)
-            if getattr(result, "unexpected_keys", None):
-                raise RuntimeError(
-                    f"adapters in {load_dir} do not fit the model: {result.unexpected_keys[:5]}"
-                )
+            unexpected = getattr(result, "unexpected_keys", None)
+            if unexpected:
+                raise RuntimeError(f"adapters in {load_dir} do not fit the model: {unexpected[:5]}")
         path = os.path.join(load_dir, "engine_state.pt")
         if self.optimizer is not None and os.path.exists(path):
             state = torch.load(path, map_location=self.device, weights_only=True)
@@ -129,7 +132,7 @@ class HFEngine(TrainEngine):
         """Load another model's HF export in place (a model with `weights_from`)."""
         from pathlib import Path
 
-        from arealcli.runtime.checkpoint import load_hf_weights
+        from arealcli.runtime.models.weights import load_hf_weights
 
         load_hf_weights(self.module, Path(path))
 

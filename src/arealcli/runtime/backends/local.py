@@ -22,10 +22,10 @@ from arealcli.runtime.engines.inference import (
     GroupGenerator,
     InferenceEngine,
 )
-from arealcli.runtime.model import FinetuneSpec, Model
-from arealcli.runtime.server.model_runner import ModelRunner
-from arealcli.runtime.server.protocol import Completion, ProtocolError, parse_sampling
-from arealcli.runtime.server.scheduler import Scheduler, Sequence
+from arealcli.runtime.generation.model_runner import ModelRunner
+from arealcli.runtime.generation.scheduler import Scheduler, Sequence
+from arealcli.runtime.models.model import FinetuneSpec, Model
+from arealcli.runtime.wire.sglang import Completion, ProtocolError, parse_sampling
 from arealcli.schema.components.backends import LocalBackendArgs
 
 
@@ -69,7 +69,7 @@ class LocalGenerator(GroupGenerator):
             raise GenerationServerError(f"local generation failed: {errors[0]}")
         return [
             [
-                Completion(s.output_ids, s.logprobs, s.finish["type"], s.finish, s.weight_version)
+                Completion(s.output_ids, s.logprobs, s.finished_as["type"], s.finished_as, s.weight_version)
                 for s in group
             ]
             for group in per_group

@@ -11,17 +11,17 @@ forward passes (`areal check` refuses such calls on it).
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from arealcli.runtime.backends.base import ModelBackend
+from arealcli.runtime.clients import launcher
+from arealcli.runtime.clients.client import GenerationClient
 from arealcli.runtime.engines.inference import EventLoopThread, InferenceEngine, prompt_groups  # noqa: F401
-from arealcli.runtime.model import FinetuneSpec, Model
-from arealcli.runtime.server import launcher
-from arealcli.runtime.server.client import GenerationClient
-from arealcli.runtime.server.protocol import update_weights_payload
+from arealcli.runtime.models.model import FinetuneSpec, Model
+from arealcli.runtime.models.weights import export_hf
+from arealcli.runtime.wire.sglang import update_weights_payload
 from arealcli.schema.components.backends import SGLangBackendArgs
 
 
@@ -44,7 +44,7 @@ class SGLangEngine(InferenceEngine):
 class SGLangBackend(ModelBackend):
     """Generation on SGLang servers over their native HTTP protocol: connect to `addresses` or `launch` them."""
 
-    Args = SGLangBackendArgs
+    Args: type = SGLangBackendArgs  # VLLMBackend: VLLMBackendArgs
     capabilities = frozenset({"generate", "update_weights"})
     builds_weights = True  # connected servers hold their own; launched ones get an export of the source
 
@@ -109,16 +109,3 @@ class SGLangBackend(ModelBackend):
         if self._tmp_dir is not None:
             shutil.rmtree(self._tmp_dir, ignore_errors=True)
             self._tmp_dir = None
-
-
-def export_hf(module, tokenizer, directory: Path) -> None:
-    """Write an HF directory atomically (temporary directory + rename)."""
-    if directory.exists():
-        shutil.rmtree(directory)
-    tmp = directory.with_name(f".tmp-{directory.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    module.save_pretrained(str(tmp), safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    os.replace(tmp, directory)

@@ -5,7 +5,7 @@ Connect to running servers (`addresses: [host:port, ...]`) or start them (`launc
 `--logprobs-mode processed_logprobs`). Launched servers load the model's initial weights, exported to
 `<run_dir>/weights/<model>/init`, log to `<run_dir>/servers/<model>-<i>.log` and stop on destroy (or when
 the trainer process dies). Like `sglang`, the engine only generates; it follows another model's weights
-(`weights_from`) by an in-place reload from the exported directory (see runtime/server/vllm_client.py for
+(`weights_from`) by an in-place reload from the exported directory (see runtime/clients/vllm.py for
 the endpoints and what happens to requests in flight).
 """
 
@@ -17,11 +17,12 @@ import os
 import tempfile
 from pathlib import Path
 
-from arealcli.runtime.backends.sglang import SGLangBackend, export_hf
+from arealcli.runtime.backends.sglang import SGLangBackend
+from arealcli.runtime.clients import launcher
+from arealcli.runtime.clients.vllm import VLLMClient
 from arealcli.runtime.engines.inference import EventLoopThread, InferenceEngine
-from arealcli.runtime.model import FinetuneSpec, Model
-from arealcli.runtime.server import launcher
-from arealcli.runtime.server.vllm_client import VLLMClient
+from arealcli.runtime.models.model import FinetuneSpec, Model
+from arealcli.runtime.models.weights import export_hf
 from arealcli.schema.components.backends import VLLMBackendArgs
 
 PYTHON_ENV = "AREALCLI_VLLM_PYTHON"

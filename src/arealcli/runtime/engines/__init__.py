@@ -1,1 +1,6 @@
-"""Engines: training engines (hf, fsdp, megatron) and inference engines (in-process, sglang, vllm)."""
+"""The engine contracts: `base.Engine` (state, weights, release), `train.TrainEngine` (one
+forward/backward primitive and everything built on it) and `inference.InferenceEngine` (prompt groups
+on a generator, asynchronous, following another model's weights).
+
+Layer 2: imports `data`, `generation`, `wire`.
+"""

@@ -30,10 +30,10 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.base import Engine
-from arealcli.runtime.generation import GenerationResult, stop_texts_of
-from arealcli.runtime.server.protocol import Completion, sampling_params
+from arealcli.runtime.generation.sampling import GenerationResult, stop_texts_of
+from arealcli.runtime.wire.sglang import Completion, sampling_params
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
 

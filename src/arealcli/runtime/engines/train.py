@@ -33,9 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.base import Engine
-from arealcli.runtime.generation import GenerationResult, StopTexts, stop_texts_of
+from arealcli.runtime.generation.sampling import GenerationResult, StopTexts, stop_texts_of
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
 # loss_fn(outputs, mb) -> (scalar loss, {stat: scalar tensor}); outputs are packed logits (tokens, vocab)
@@ -193,13 +193,15 @@ class TrainEngine(Engine):
         weights = [float(loss_weight_fn(mb)) for mb in mbs]
         local_total = sum(weights)
         global_total = self.all_reduce([local_total])[0]
+        scale: float
         total, scale = (
             (global_total, self.dp_world) if token_normalize_scope == "global" else (local_total, 1)
         )
         scale *= self.loss_scale()
         work = [mb for mb, w in zip(mbs, weights, strict=True) if w > 0 and total > 0]
         weight_of = {id(mb): w for mb, w in zip(mbs, weights, strict=True)}
-        loss_sum, sums = 0.0, {}
+        loss_sum = 0.0
+        sums: dict[str, float] = {}
 
         def weighted_loss(mb: SequenceSample, outputs: torch.Tensor) -> torch.Tensor:
             nonlocal loss_sum
@@ -336,6 +338,7 @@ class TrainEngine(Engine):
 
 def _loss_and_stats(result: Any) -> tuple[torch.Tensor, dict[str, Any]]:
     """A loss function's result: `(loss, stats)`, or a bare scalar loss."""
+    stats: dict[str, Any]
     if isinstance(result, torch.Tensor):
         loss, stats = result, {}
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
@@ -370,28 +373,30 @@ def average_gradients(params, group=None, bucket_numel: int = 1 << 25) -> None:
     world = group_size(group)
     if world == 1:
         return
-    params = [p for p in params if p.requires_grad]
+    grads: list[torch.Tensor] = []  # each parameter's .grad (the same tensors, averaged in place)
     for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
     bucket: list[torch.Tensor] = []
 
     def flush() -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, group=group)
         flat /= world
         offset = 0
-        for p in bucket:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
         bucket.clear()
 
     size = 0
-    for p in params:
-        if bucket and (size + p.numel() > bucket_numel or p.grad.dtype != bucket[0].grad.dtype):
+    for g in grads:
+        if bucket and (size + g.numel() > bucket_numel or g.dtype != bucket[0].dtype):
             flush()
             size = 0
-        bucket.append(p)
-        size += p.numel()
+        bucket.append(g)
+        size += g.numel()
     if bucket:
         flush()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from arealcli.runtime.data import SequenceSample
-from arealcli.runtime.model import Model
+from arealcli.runtime.data.sample import SequenceSample
+from arealcli.runtime.models.model import Model
 from arealcli.schema.components.engine import MicroBatchSpec
 
 
@@ -38,3 +38,10 @@ class ModelInterface:
     def evaluate(self, model: Model, loader) -> dict[str, float]:
         """Metrics on held-out batches; default: nothing."""
         return {}
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Interface state a resume restores (e.g. a KL controller); default: none."""
+        return None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (called only when it returned something)."""

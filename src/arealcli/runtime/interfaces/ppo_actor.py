@@ -7,11 +7,13 @@ One `train_step`, top to bottom:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from arealcli.runtime import distributed
 from arealcli.runtime.algo import functional as F
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.interfaces.rl_common import (
     compute_returns,
@@ -23,7 +25,7 @@ from arealcli.runtime.interfaces.rl_common import (
     to_packed,
 )
 from arealcli.runtime.interfaces.sft import answer_token_mask
-from arealcli.runtime.model import Model
+from arealcli.runtime.models.model import Model
 from arealcli.runtime.registry import get_reward, make_workflow
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs
@@ -93,7 +95,7 @@ class PPOActorInterface(ModelInterface):
         g = self.args.generation
         rep = data.repeat_interleave(g.n)  # ids (prompt id, j), j < n
         if self.workflow is not None:
-            return self._generate_episodes(model, rep, g)
+            return self._generate_episodes(model, rep, g, self.workflow)
         out = model.module.generate(rep, mb_spec, model.tokenizer, g)
         versions = out.versions or [None] * rep.bs  # inference engines report theirs per sample
         last_versions = out.last_versions or versions
@@ -126,10 +128,11 @@ class PPOActorInterface(ModelInterface):
         out_sample.stats = {"generated_tokens": float(sum(len(g) for g in out.output_ids))}
         return out_sample
 
-    def _generate_episodes(self, model: Model, rep: SequenceSample, g) -> SequenceSample:
-        """Episodes of the workflow: every token kept, `loss_mask` True on the model's own tokens."""
+    def _generate_episodes(self, model: Model, rep: SequenceSample, g, workflow: Any) -> SequenceSample:
+        """Episodes of `workflow` (this interface's): every token kept, `loss_mask` True on the model's own
+        tokens."""
         prompts = [p.tolist() for p in rep.unpack("packed_prompts")]
-        episodes = self.workflow.run(model.module, model.tokenizer, prompts, g)
+        episodes = workflow.run(model.module, model.tokenizer, prompts, g)
         seqs, prompt_masks, loss_masks, logprobs, no_eos, versions, lasts = [], [], [], [], [], [], []
         for prompt, ep in zip(prompts, episodes, strict=True):
             prompt = prompt if ep.prompt is None else ep.prompt
@@ -347,7 +350,8 @@ class PPOActorInterface(ModelInterface):
         scores: list[float] = []
         for batch in loader:
             if self.workflow is not None:  # greedy episodes, scored on their final answers
-                _, responses = decode_responses(model.tokenizer, self._generate_episodes(model, batch, g))
+                episodes = self._generate_episodes(model, batch, g, self.workflow)
+                _, responses = decode_responses(model.tokenizer, episodes)
             else:
                 out = model.module.generate(batch, MicroBatchSpec(), model.tokenizer, g)
                 responses = [model.tokenizer.decode(o, skip_special_tokens=True) for o in out.output_ids]

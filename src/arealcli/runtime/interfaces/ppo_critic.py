@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from arealcli.runtime.algo import functional as F
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.interfaces.rl_common import (
     compute_returns,
@@ -14,7 +14,7 @@ from arealcli.runtime.interfaces.rl_common import (
     shuffled_minibatches,
     to_packed,
 )
-from arealcli.runtime.model import Model
+from arealcli.runtime.models.model import Model
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOCriticArgs
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from arealcli.runtime import distributed
 from arealcli.runtime.algo import functional as F
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.interfaces.rl_common import compute_returns, to_packed
-from arealcli.runtime.model import Model
+from arealcli.runtime.models.model import Model
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import ReturnsArgs
 

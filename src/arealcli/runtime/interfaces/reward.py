@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.interfaces.ppo_actor import decode_responses
-from arealcli.runtime.model import Model
+from arealcli.runtime.models.model import Model
 from arealcli.runtime.registry import get_reward
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import RewardArgs

@@ -14,7 +14,7 @@ import torch
 
 from arealcli.runtime import distributed
 from arealcli.runtime.algo import functional as F
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.sft import answer_token_mask
 from arealcli.schema.components.interfaces import RewardShaping
 

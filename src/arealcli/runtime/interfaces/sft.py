@@ -7,9 +7,9 @@ import math
 import torch
 
 from arealcli.runtime import distributed
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
-from arealcli.runtime.model import Model
+from arealcli.runtime.models.model import Model
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import SFTArgs
 

@@ -275,6 +275,8 @@ def _symbolic_equivalent(pred: str, ref: str, rel_tol: float) -> bool:
         return False
     # Two numbers (2\sqrt{2}, \pi, 1/3): compare values under rel_tol, like plain numbers.
     if getattr(g, "is_number", False) and getattr(p, "is_number", False):
+        gv: complex | None
+        pv: complex | None
         try:
             gv, pv = complex(g.evalf(30)), complex(p.evalf(30))
         except OverflowError:

@@ -1,5 +1,7 @@
-"""Running a recipe: the run directory and its policy (`session`), and the one driver that builds,
-trains and closes a run (`driver.run`), in one process and in every launched worker alike.
+"""Running a recipe: the run directory and its policy (`session`), the one driver that builds, trains and
+closes a run (`driver`), the trainer and its step loop (`trainer`, `dataflow`, `rollout`), weights
+moving to followers (`weight_sync`), checkpoints, metrics, the multi-process launcher and the thread
+policy.
 
-May import the rest of `runtime` and `schema`; nothing in `runtime` imports it but the launcher.
+Layer 5: imports any lower layer.
 """

@@ -13,18 +13,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from arealcli.runtime import threads
+from arealcli.runtime.run import threads
 from arealcli.runtime.run.session import StopSignals
-from arealcli.runtime.trainer import Hooks, Trainer
+from arealcli.runtime.run.trainer import Hooks, Trainer
 from arealcli.schema.recipe import Recipe
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclass
 class Display:
     """Where a reporting rank shows the run: the console (header, progress line) and notes."""
 
-    console: object  # rich.console.Console
+    console: Console
     note: Callable[[str], None]
 
 
@@ -46,7 +50,7 @@ def run(
     """Train `recipe` into `run_dir`. `display`: this process reports (None on other ranks). `stop`:
     installed around the run so Ctrl-C and SIGTERM end it cleanly (a KeyboardInterrupt, Terminated for
     SIGTERM, is raised to the caller after the trainer closed; `on_stop` sees it first)."""
-    from arealcli.runtime.progress import ConsoleProgress, default_metrics, header
+    from arealcli.runtime.console.progress import ConsoleProgress, default_metrics, header
 
     policy = threads.ThreadPolicy() if threads.enabled() else None
     if policy is not None:

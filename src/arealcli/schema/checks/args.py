@@ -13,7 +13,7 @@ from arealcli.schema.source import Path_
 Typed = dict[Path_, BaseModel]  # path of a `{type_, args}` -> its validated, typed args
 
 
-def find_abstractions(data: dict) -> list[tuple[Path_, Registry, Any]]:
+def find_abstractions(data: dict[str, Any]) -> list[tuple[Path_, Registry, Any]]:
     """(path, registry, raw value) of every `{type_, args}` in the raw recipe data."""
     found: list[tuple[Path_, Registry, Any]] = []
     models = data.get("models")

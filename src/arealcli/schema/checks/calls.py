@@ -42,6 +42,8 @@ def check_model_exists(g: Graph, i: int, call: CallSpec) -> list[Problem]:
 
 def check_optimizer(g: Graph, i: int, call: CallSpec) -> list[Problem]:
     """A trained model's backend has an optimizer (for backends whose args have one)."""
+    if call.model is None:  # no backend args to look up (a missing model is said by check_needs_model)
+        return []
     backend_args = g.typed.get(("models", call.model, "backend"))
     if call.type != "train_step" or backend_args is None:
         return []

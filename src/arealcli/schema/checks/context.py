@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from arealcli.schema.checks.args import Typed
 from arealcli.schema.recipe import CallSpec, DataflowSpec, ModelSpec
 from arealcli.schema.registry import dataset_keys
-from arealcli.schema.source import Path_
+from arealcli.schema.source import Path_, mapping_at
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ def graph_of(data: dict[str, Any], typed: Typed) -> Graph | None:
         calls = DataflowSpec.model_validate(data.get("dataflow")).calls
     except ValidationError:
         return None
-    raw_models = data.get("models") if isinstance(data.get("models"), dict) else {}
+    raw_models = mapping_at(data, "models")
     models: dict[str, ModelSpec] = {}
     for name, raw in raw_models.items():
         try:

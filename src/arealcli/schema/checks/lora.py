@@ -20,13 +20,13 @@ def check_lora(g: Graph) -> list[Problem]:
                 )
             )
         if spec.base_of is not None:
-            problems += _base_of(g, lora, name, spec)
+            problems += _base_of(g, lora, name, spec, spec.base_of)
     return problems
 
 
-def _base_of(g: Graph, lora: set[str], name: str, spec: ModelSpec) -> list[Problem]:
-    """A `base_of` model: a view of a LoRA model's base weights, for inference only."""
-    where, base_of = ("models", name, "base_of"), spec.base_of
+def _base_of(g: Graph, lora: set[str], name: str, spec: ModelSpec, base_of: str) -> list[Problem]:
+    """A `base_of` model (`spec.base_of`): a view of a LoRA model's base weights, for inference only."""
+    where = ("models", name, "base_of")
     problems = []
     if base_of not in g.models:
         problems.append(Problem(where, f"no such model{suggest(base_of, list(g.models))}", base_of))

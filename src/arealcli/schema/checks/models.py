@@ -30,9 +30,12 @@ def check_init_from(g: Graph) -> list[Problem]:
 
 def _init_cycle(models: dict[str, ModelSpec], name: str, first: str) -> list[Problem]:
     chain, current = [name], first
-    while current in models and models[current].init_from is not None and current not in chain:
+    while current in models and current not in chain:
+        following = models[current].init_from
+        if following is None:
+            break
         chain.append(current)
-        current = models[current].init_from
+        current = following
     if current not in chain:
         return []
     cycle = " -> ".join([*chain[chain.index(current) :], current])
@@ -93,29 +96,29 @@ def check_value_heads(g: Graph) -> list[Problem]:
     problems, said = [], set()
     for call in g.calls:
         spec = g.spec_of(call)
-        if spec is None or call.model in said:
+        if spec is None or call.model is None or call.model in said:  # spec_of: None without a model
             continue
-        problem = _value_head(call, spec)
+        problem = _value_head(call, call.model, spec)
         if problem is not None:
             problems.append(problem)
             said.add(call.model)
     return problems
 
 
-def _value_head(call: CallSpec, spec: ModelSpec) -> Problem | None:
+def _value_head(call: CallSpec, model: str, spec: ModelSpec) -> Problem | None:
     entry = INTERFACES.find(call.interface.type_)
     if entry is not None and entry.value_head:
         if spec.value_head:
             return None
         return Problem(
-            ("models", call.model),
-            f"model {call.model!r} is the critic of call {call.name!r} but has no value head; "
+            ("models", model),
+            f"model {model!r} is the critic of call {call.name!r} but has no value head; "
             "add `value_head: true`",
         )
     if entry is not None and entry.language_model and spec.value_head:
         return Problem(
-            ("models", call.model, "value_head"),
-            f"model {call.model!r} has a value head (a critic) but call {call.name!r} uses it as a "
+            ("models", model, "value_head"),
+            f"model {model!r} has a value head (a critic) but call {call.name!r} uses it as a "
             f"language model ({call.interface.type_})",
             True,
         )

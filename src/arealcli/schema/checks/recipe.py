@@ -9,6 +9,7 @@ from arealcli.schema.checks.context import Graph
 from arealcli.schema.problems import Problem
 from arealcli.schema.recipe import Recipe
 from arealcli.schema.registry import import_plugins
+from arealcli.schema.source import mapping_at
 
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -31,7 +32,7 @@ def check_imports(imports: Any) -> list[Problem]:
 
 
 def check_eval_dataset(g: Graph) -> list[Problem]:
-    trainer = g.data.get("trainer") if isinstance(g.data.get("trainer"), dict) else {}
+    trainer = mapping_at(g.data, "trainer")
     if trainer.get("eval_every_n_steps") is None or g.data.get("eval_dataset") is not None:
         return []
     return [Problem(("trainer", "eval_every_n_steps"), "evaluation needs an `eval_dataset`")]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, TypedDict, TypeVar
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
@@ -35,7 +35,10 @@ class HFBackendArgs(StrictModel):
         return _lora_needs_an_optimizer(self)
 
 
-def _lora_needs_an_optimizer(args):
+_WithLora = TypeVar("_WithLora", bound="HFBackendArgs | FSDPBackendArgs")
+
+
+def _lora_needs_an_optimizer(args: _WithLora) -> _WithLora:
     if args.lora is not None and args.optimizer is None:
         raise ValueError("lora adapters are for training: add `optimizer: {lr: ...}` (or drop `lora`)")
     return args
@@ -179,7 +182,7 @@ class ServerFleetArgs(StrictModel):
     def _addresses(cls, addresses: list[str]) -> list[str]:
         return [_check_address(a) for a in addresses]
 
-    def client_options(self) -> dict[str, float | int]:
+    def client_options(self) -> ClientOptions:
         """Keyword arguments of the generation client built from these settings."""
         return {
             "request_timeout_s": self.request_timeout_s,
@@ -189,6 +192,17 @@ class ServerFleetArgs(StrictModel):
             "retry_backoff_s": self.retry_backoff_s,
             "max_concurrent_requests": self.max_concurrent_requests,
         }
+
+
+class ClientOptions(TypedDict):
+    """`ServerFleetArgs.client_options`: keyword arguments of a generation client."""
+
+    request_timeout_s: float
+    connect_timeout_s: float
+    stall_timeout_s: float
+    max_retries: int
+    retry_backoff_s: float
+    max_concurrent_requests: int
 
 
 class SGLangBackendArgs(ServerFleetArgs):

@@ -54,7 +54,7 @@ class ToolUseArgs(ToolSet):
 
 
 class AgentArgs(StrictModel):
-    """An agent written against the OpenAI client interface (`arealcli.runtime.agent.AgentWorkflow`)."""
+    """An agent written against the OpenAI client interface (`arealcli.runtime.agents.agent.AgentWorkflow`)."""
 
     max_total_tokens: PositiveInt = Field(
         64, le=1 << 20, description="Token budget of an episode after its prompt (model and inserted tokens)."

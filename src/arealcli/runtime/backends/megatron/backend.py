@@ -25,7 +25,7 @@ from arealcli.runtime import distributed
 from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.backends.megatron import cpu_compat
 from arealcli.runtime.backends.megatron.engine import MegatronEngine
-from arealcli.runtime.model import DTYPES, FinetuneSpec, Model
+from arealcli.runtime.models.model import DTYPES, FinetuneSpec, Model
 from arealcli.schema.components.backends import MegatronBackendArgs
 from arealcli.schema.components.engine import OptimizerConfig
 

@@ -32,7 +32,7 @@ Where the layouts come from (megatron-core 0.16):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -156,6 +156,12 @@ def _check_hf_keys(hf_state_dict: Mapping[str, Tensor], hf_config: Any) -> None:
         )
 
 
+def _hf_qkv(hf: Mapping[str, Tensor], layer: str, kind: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The q, k and v projections' `kind` (weight or bias) of HF layer `layer` (its key prefix)."""
+    q, k, v = (hf[layer + f"self_attn.{n}_proj.{kind}"] for n in "qkv")
+    return q, k, v
+
+
 def hf_to_megatron(
     hf_state_dict: Mapping[str, Tensor],
     hf_config: Any,
@@ -190,10 +196,10 @@ def hf_to_megatron(
             hf[h + "self_attn.o_proj.weight"], tp_rank, tp_size
         )
         out[m + "self_attention.linear_proj" + EXTRA_STATE] = None
-        fused_w = qkv_to_megatron(*(hf[h + f"self_attn.{n}_proj.weight"] for n in "qkv"), ng)
+        fused_w = qkv_to_megatron(*_hf_qkv(hf, h, "weight"), ng)
         out[m + "self_attention.linear_qkv.weight"] = column_parallel_to_megatron(fused_w, tp_rank, tp_size)
         if _has_qkv_bias(hf_config):
-            fused_b = qkv_to_megatron(*(hf[h + f"self_attn.{n}_proj.bias"] for n in "qkv"), ng)
+            fused_b = qkv_to_megatron(*_hf_qkv(hf, h, "bias"), ng)
             out[m + "self_attention.linear_qkv.bias"] = column_parallel_to_megatron(fused_b, tp_rank, tp_size)
         out[m + "self_attention.linear_qkv" + EXTRA_STATE] = None
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"].clone()
@@ -228,8 +234,9 @@ def megatron_to_hf(
     nh, ng, hn = hf_config.num_attention_heads, num_kv_heads(hf_config), head_dim(hf_config)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     n_local = layers_per_stage(hf_config.num_hidden_layers, pp_size)
-    remaining = [
-        [{k: v for k, v in sd.items() if not k.endswith(EXTRA_STATE)} for sd in stage] for stage in shards
+    remaining = [  # every value but the extra states (dropped here) is a tensor
+        [{k: cast(Tensor, v) for k, v in sd.items() if not k.endswith(EXTRA_STATE)} for sd in stage]
+        for stage in shards
     ]
 
     def take(pp_rank: int, key: str) -> list[Tensor]:

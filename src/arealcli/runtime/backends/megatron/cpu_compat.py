@@ -87,7 +87,7 @@ def seed_model_parallel_rng(seed: int) -> None:
 @contextlib.contextmanager
 def _current_device_is_cpu() -> Iterator[None]:
     original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     try:
         yield
     finally:

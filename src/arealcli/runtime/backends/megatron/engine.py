@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from arealcli.runtime import generation
 from arealcli.runtime.backends.megatron.schedule import Stage, run_schedule
-from arealcli.runtime.data import SequenceSample
+from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.train import TrainEngine
-from arealcli.runtime.optim import begin_step
+from arealcli.runtime.generation import sampling as generation
+from arealcli.runtime.optim import begin_step, require_optimizer
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
 
 
@@ -60,8 +60,9 @@ class MegatronEngine(TrainEngine):
     ):
         from megatron.core import parallel_state as ps
 
-        self.model = model  # megatron DistributedDataParallel(GPTModel) when training, else the GPTModel
-        self.gpt = getattr(model, "module", model)
+        # megatron DistributedDataParallel(GPTModel) when training, else the GPTModel (duck-typed)
+        self.model: Any = model
+        self.gpt: Any = getattr(model, "module", model)
         self.hf_config = hf_config
         self.vocab_size = hf_config.vocab_size
         self.optimizer = optimizer
@@ -155,13 +156,15 @@ class MegatronEngine(TrainEngine):
         return obj if self.stage.last else _map_tensors(moved, lambda t: t.to(self.device))
 
     def loss_scale(self) -> float:
-        return float(self.optimizer.get_loss_scale())  # fp16 loss scaling (1 otherwise)
+        optimizer, _ = require_optimizer(self.optimizer, self.optimizer_cfg)  # only asked while training
+        return float(optimizer.get_loss_scale())  # fp16 loss scaling (1 otherwise)
 
     def begin_train_step(self, version_steps: int, lr_scale: float) -> float:
         self.model.train()
         lr = begin_step(self.optimizer, self.optimizer_cfg, self.total_train_steps, version_steps, lr_scale)
+        optimizer, _ = require_optimizer(self.optimizer, self.optimizer_cfg)  # begin_step checked them
         self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        optimizer.zero_grad()
         return lr
 
     def finish_train_step(self, stepped: bool) -> float:
@@ -173,7 +176,8 @@ class MegatronEngine(TrainEngine):
         finalize_model_grads([self.model])
         if not stepped:
             return 0.0
-        _, grad_norm, _ = self.optimizer.step()
+        optimizer, _ = require_optimizer(self.optimizer, self.optimizer_cfg)  # checked by begin_train_step
+        _, grad_norm, _ = optimizer.step()
         return float("nan") if grad_norm is None else float(grad_norm)
 
     def generate_prompts(
@@ -245,11 +249,11 @@ class MegatronEngine(TrainEngine):
                 for k, v in self.gpt.state_dict().items()
             }
             mine = (self.tp_rank, self.pp_rank, shard)
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(mine, gathered, dst=0)
-        if dist.get_rank() != 0:
+        if gathered is None:  # not global rank 0
             return None
-        shards = [[None] * self.tp_world for _ in range(self.pp_world)]
+        shards: list[list[Any]] = [[None] * self.tp_world for _ in range(self.pp_world)]
         for item in gathered:
             if item is not None:
                 tp_rank, pp_rank, shard = item
@@ -294,16 +298,9 @@ class MegatronEngine(TrainEngine):
 
     def update_weights(self, path: str, version: int) -> None:
         """Load another model's HF export in place (a model with `weights_from`)."""
-        from pathlib import Path
+        from arealcli.runtime.models.weights import read_hf_state
 
-        from safetensors.torch import load_file
-
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        if not state:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        self.load_hf_state(state)
+        self.load_hf_state(read_hf_state(path))
 
     def save_state(self, save_dir: str) -> None:
         """Optimizer state for resume, one file per (TP, PP) shard (data-parallel replicas hold the

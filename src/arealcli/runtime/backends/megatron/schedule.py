@@ -81,7 +81,8 @@ def run_schedule(
     first stage). On the last stage ``last_stage_fn(mb, y)`` consumes the output: with ``backward``
     it returns the (already weighted) scalar loss to back-propagate, else it records what it needs.
     """
-    saved: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    saved: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+    y: torch.Tensor | None  # the stage's output; on the last stage, what last_stage_fn returns
     for mb in mbs:
         x = None
         if not stage.first:
@@ -91,11 +92,11 @@ def run_schedule(
         y = forward_step(mb, x)
         if stage.last:
             y = last_stage_fn(mb, y)
-            if backward and y is None:
-                raise RuntimeError("last_stage_fn must return a loss to back-propagate")
         else:
             dist.send(y.detach().contiguous(), dst=stage.next_rank)
         if backward:
+            if y is None:  # the last stage's last_stage_fn returned no loss
+                raise RuntimeError("last_stage_fn must return a loss to back-propagate")
             saved.append((x, y))
     if not backward:
         return
@@ -107,4 +108,5 @@ def run_schedule(
             dist.recv(dy, src=stage.next_rank)
             torch.autograd.backward(y, dy)
         if not stage.first:
+            assert x is not None  # every stage but the first received its input
             dist.send(x.grad if x.grad is not None else torch.zeros_like(x), dst=stage.prev_rank)

@@ -1,0 +1,157 @@
+"""Episodes: generate, let the environment answer, append its tokens, continue — then one reward.
+
+One episode of `tool_use`, for every prompt of a batch at once (each generation turn is one batched
+generate call on the model's engine, a training engine or an inference engine alike):
+
+    tokens = prompt
+    repeat up to max_turns:
+        model tokens <- generate(tokens), stopping at EOS or at `call_close`        (mask: True)
+        if it stopped at `call_close`: result <- tool(text after the last `call_open`)
+            tokens += result_template.format(result=result)                          (mask: False)
+        else: the episode is over; its final answer is the model's text after the last tool result
+
+The trained sequence keeps every token; the per-token mask (`loss_mask`) marks the model's own tokens,
+so prompts and tool output never get gradient. Log-probs are the generating engine's (0 on tool tokens).
+A workflow of your own: a class with `Args` and `run(engine, tokenizer, prompts, gconfig)` returning
+`Episode`s, registered with `register_workflow(name, cls)`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from arealcli.runtime.data.sample import SequenceSample
+from arealcli.runtime.generation.sampling import StopTexts
+from arealcli.runtime.tools import ToolError, get_tool
+from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+from arealcli.schema.components.workflows import ToolUseArgs
+
+
+def run_tool(tools: dict, name: str, arg, timeout_s: float = 60.0) -> tuple[str, bool]:
+    """(result text, ok) of calling tool `name` of `tools` with `arg`: a text, or JSON arguments (an
+    object with one value passes that value; others pass as JSON text). Every failure is a result the
+    model reads: no such tool, a ToolError, a bug in the tool itself, or no answer within `timeout_s`
+    (the call is left to finish on its own thread; the run goes on)."""
+    if isinstance(arg, dict) and len(arg) == 1:
+        arg = next(iter(arg.values()))
+    arg = arg if isinstance(arg, str) else json.dumps(arg)
+    if name not in tools:
+        return f"error: no tool {name!r} (tools: {', '.join(tools)})", False
+    answer: list[tuple[str, bool]] = []
+
+    def call() -> None:
+        try:
+            answer.append((str(tools[name](arg)), True))
+        except ToolError as e:
+            answer.append((f"error: {e}", False))
+        except Exception as e:
+            answer.append((f"error: {type(e).__name__}: {e}", False))
+
+    worker = threading.Thread(target=call, name=f"tool-{name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return answer[0] if answer else (f"error: {name} gave no answer within {timeout_s:g} s", False)
+
+
+@dataclass
+class Episode:
+    tokens: list[int] = field(default_factory=list)  # after the prompt
+    mask: list[bool] = field(default_factory=list)  # True on the model's own tokens
+    logprobs: list[float] = field(default_factory=list)  # of each token when generated (0 for tool tokens)
+    no_eos: bool = True  # ended without an end token (length, budget or turns)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    final: list[int] = field(default_factory=list)  # the model's tokens after the last tool result
+    versions: list[int] = field(default_factory=list)  # policy versions of its generation turns
+    prompt: list[int] | None = None  # the episode's own prompt, when not the dataset's (an agent's rendering)
+
+
+class ToolUseWorkflow:
+    """Generate; on a tool call run the tool and append its result; continue up to max_turns."""
+
+    Args = ToolUseArgs
+
+    def __init__(self, args: ToolUseArgs):
+        self.args = args
+        self.tools = {name: get_tool(name) for name in args.tools}
+
+    def _call(self, text: str) -> tuple[str, bool]:
+        """The tool's result text for a call, and ok. A call is the argument text (`name: arg` with
+        several tools), or JSON as instruct models' chat templates write it: `{"name": "calculator",
+        "arguments": {"expression": "2*3"}}` (an argument object with one value passes that value)."""
+        name, arg = next(iter(self.tools)), text
+        if text.strip().startswith("{"):
+            try:
+                call = json.loads(text)
+                name, arg = call["name"], call.get("arguments", "")
+            except (ValueError, KeyError, TypeError):
+                return 'error: a JSON tool call is {"name": ..., "arguments": ...}', False
+        elif len(self.tools) > 1:
+            name, _, arg = text.partition(":")
+            name = name.strip()
+        return run_tool(self.tools, name, arg, self.args.tool_timeout_s)
+
+    def run(
+        self, engine, tokenizer, prompts: list[list[int]], gconfig: GenerationHyperparameters
+    ) -> list[Episode]:
+        a = self.args
+        close = tokenizer(a.call_close, add_special_tokens=False)["input_ids"]
+        eos = {tokenizer.eos_token_id, *gconfig.stop_token_ids}
+        if len(close) == 1:  # a single token: stop on its id
+            g = gconfig.model_copy(
+                update={"stop_token_ids": sorted(set(gconfig.stop_token_ids) | set(close))}
+            )
+        else:  # several: stop on the text
+            g = gconfig.model_copy(update={"stop": list(dict.fromkeys([*gconfig.stop, a.call_close]))})
+        closes = StopTexts([a.call_close], lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        episodes = [Episode() for _ in prompts]
+        active = list(range(len(prompts)))
+        for turn in range(a.max_turns):
+            active = [i for i in active if len(episodes[i].tokens) < a.max_total_tokens]
+            if not active:
+                break
+            room = max(a.max_total_tokens - len(episodes[i].tokens) for i in active)
+            step = g.model_copy(update={"max_new_tokens": min(g.max_new_tokens, room), "min_new_tokens": 0})
+            seqs = [torch.tensor(prompts[i] + episodes[i].tokens) for i in active]
+            batch = SequenceSample.from_lists(list(range(len(active))), {"packed_prompts": seqs})
+            out = engine.generate(batch, MicroBatchSpec(), tokenizer, step)
+            still = []
+            for j, i in enumerate(active):
+                ep = episodes[i]
+                left = a.max_total_tokens - len(ep.tokens)
+                ids, lps = list(out.output_ids[j][:left]), list(out.logprobs[j][:left])
+                ep.tokens += ids
+                ep.mask += [True] * len(ids)
+                ep.logprobs += lps
+                ep.turns += 1
+                ep.final = ids
+                if out.versions is not None and out.versions[j] is not None:
+                    ep.versions += [out.versions[j], (out.last_versions or out.versions)[j]]
+                ended = bool(ids) and not out.no_eos[j] and ids[-1] not in eos
+                called = ended and closes.matched(ids) is not None and turn < a.max_turns - 1
+                if not called:
+                    ep.no_eos = not (ids and ids[-1] in eos)
+                    continue
+                text = tokenizer.decode(ids, skip_special_tokens=True)
+                end = text.rfind(a.call_close)
+                start = text.rfind(a.call_open, 0, end)
+                call = text[start + len(a.call_open) : end] if start >= 0 else ""
+                result, ok = self._call(call) if start >= 0 else ("error: no call was opened", False)
+                ep.tool_calls += 1
+                ep.tool_errors += not ok
+                result_ids = tokenizer(a.result_template.format(result=result), add_special_tokens=False)[
+                    "input_ids"
+                ]
+                result_ids = result_ids[: a.max_total_tokens - len(ep.tokens)]
+                ep.tokens += result_ids
+                ep.mask += [False] * len(result_ids)
+                ep.logprobs += [0.0] * len(result_ids)
+                ep.final = []
+                still.append(i)
+            active = still
+        return episodes

@@ -1,0 +1,163 @@
+"""The model behind `areal serve`: a transformers causal LM, our KV-cache sampler, weights reloaded in place."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from arealcli.runtime.generation import sampling as generation
+from arealcli.runtime.models.model import DTYPES
+from arealcli.runtime.models.weights import load_hf_weights
+from arealcli.runtime.wire.sglang import Sampling
+
+
+@dataclass
+class RowResult:
+    output_ids: list[int]
+    logprobs: list[float]
+    stopped_by: int | str | None  # the stop token or stop text that ended the sample, if any
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32"):
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+        if not (Path(model_path) / "config.json").exists():
+            raise FileNotFoundError(f"{model_path} is not a Hugging Face model directory (no config.json)")
+        self.model_path = self.tokenizer_path = str(model_path)
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        )
+        self.dtype = DTYPES[dtype]
+        config = AutoConfig.from_pretrained(model_path)
+        module = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self._attach(module, config, self._load_tokenizer(model_path))
+
+    @classmethod
+    def in_memory(
+        cls, module, tokenizer, name: str, device: str = "auto", dtype: str = "float32"
+    ) -> ModelRunner:
+        """A runner over a module already built in this process (the `local` backend): no files."""
+        self = cls.__new__(cls)
+        self.model_path = self.tokenizer_path = name
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        )
+        self.dtype = DTYPES[dtype]
+        self._attach(module.to(self.dtype), module.config, tokenizer)
+        return self
+
+    def _attach(self, module, config, tokenizer) -> None:
+        self.module = module.to(self.device).eval()
+        self.tokenizer = tokenizer
+        self.vocab_size = self.module.get_input_embeddings().num_embeddings
+        self.context_length = int(getattr(config, "max_position_embeddings", 1 << 20))
+        self.model_type = getattr(config, "model_type", None)
+        self.architectures = getattr(config, "architectures", None)
+        eos = getattr(self.module.generation_config, "eos_token_id", None)
+        eos = config.eos_token_id if eos is None else eos
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        pad = getattr(config, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0)
+
+    @staticmethod
+    def _load_tokenizer(path: str):
+        """The directory's tokenizer, or None (then only input_ids requests are served, like
+        SGLang's --skip-tokenizer-init)."""
+        from arealcli.runtime.data.tokenizer import from_directory
+
+        if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+            return None
+        try:
+            return from_directory(path)
+        except Exception:  # an unloadable tokenizer must not stop a token-id server
+            return None
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_path} has no tokenizer: send input_ids instead of text")
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_texts(self, ids: list[int]) -> list[str] | None:
+        return None if self.tokenizer is None else [self.tokenizer.decode([t]) for t in ids]
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        max_new_tokens: int,
+        should_abort: Callable[[], bool],
+    ) -> list[RowResult]:
+        """Sample up to `max_new_tokens` for every prompt with the same params; stops early on abort."""
+        eos = set() if sampling.ignore_eos else self.eos_ids
+        g = sampling.hyperparameters(max_new_tokens)
+        autocast = (
+            torch.autocast(self.device.type, dtype=self.dtype)
+            if self.dtype != torch.float32 and self.device.type == "cuda"
+            else torch.autocast(self.device.type, enabled=False)
+        )
+        texts = None
+        if sampling.stop:
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{self.model_path} has no tokenizer: stop texts need one (use stop_token_ids)"
+                )
+            texts = generation.StopTexts(sampling.stop, self.decode)
+        with autocast:
+            res = generation.generate(
+                self.module,
+                prompts,
+                g,
+                eos,
+                self.pad_id,
+                self.device,
+                should_abort=should_abort,
+                stop_texts=texts,
+            )
+        stop = eos | set(sampling.stop_token_ids)
+
+        def stopped_by(ids: list[int], trunc: bool) -> int | str | None:
+            if trunc or not ids:
+                return None
+            if ids[-1] in stop:
+                return ids[-1]
+            return texts.matched(ids) if texts is not None else None
+
+        return [
+            RowResult(ids, lps, stopped_by(ids, trunc))
+            for ids, lps, trunc in zip(res.output_ids, res.logprobs, res.no_eos, strict=True)
+        ]
+
+    def load_weights(self, path: str) -> None:
+        """Load an HF export in place; checked first, so a bad directory leaves the weights untouched."""
+        from safetensors import safe_open
+
+        files = sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else []
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                shapes.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})  # noqa: SIM118
+        own = {k: tuple(v.shape) for k, v in self.module.state_dict().items()}
+        unexpected = sorted(set(shapes) - set(own))
+        missing = sorted(k for k in set(own) - set(shapes) if not k.endswith("lm_head.weight"))
+        wrong = sorted(k for k in set(own) & set(shapes) if own[k] != shapes[k])
+        if unexpected or missing or wrong:
+            raise ValueError(
+                f"the weights in {path} do not fit the served model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+            )
+        load_hf_weights(self.module, Path(path))
+        self.model_path = str(path)

@@ -1,0 +1,92 @@
+"""The house's shape: no import circles, runtime's folders import only lower layers, schema/ never imports
+torch or the runtime, few loose modules, and every folder says what lives there."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+RUNTIME = SRC / "arealcli" / "runtime"
+# runtime/__init__.py's table: a package imports (at module level) only packages of lower layers
+LAYERS = {
+    "wire": 0, "algo": 0, "models": 0, "data": 0, "rewards": 0, "console": 0, "tools": 0, "optim": 0,
+    "registry": 0,
+    "generation": 1, "distributed": 1,
+    "engines": 2,
+    "clients": 3,
+    "backends": 4, "agents": 4, "interfaces": 4,
+    "run": 5, "serve": 5,
+}  # fmt: skip
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in SRC.rglob("*.py")}
+
+
+def imports(path: Path, module_level: bool = True) -> set[str]:
+    """The arealcli modules `path` imports (at module level, or anywhere)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level else list(ast.walk(tree))
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("arealcli"):
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                out.add(name if name in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("arealcli")}
+    return out
+
+
+def test_no_import_circles():
+    graph = {m: imports(p) & set(MODULES) for m, p in MODULES.items()}
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            assert state.get(n) != 1, "import circle: " + " -> ".join(path[path.index(n) :] + [n])
+            if n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_runtime_folders_import_only_lower_layers():
+    up = []
+    for m, p in MODULES.items():
+        parts = m.split(".")
+        if parts[:2] != ["arealcli", "runtime"] or len(parts) < 3:
+            continue
+        mine = LAYERS[parts[2].removesuffix(".py")]
+        for n in imports(p):
+            target = n.split(".")
+            if target[:2] == ["arealcli", "runtime"] and len(target) > 2 and target[2] != parts[2]:
+                if LAYERS[target[2]] >= mine:
+                    up.append(f"{m} imports {n}")
+    assert not up, "\n".join(up)
+
+
+def test_schema_imports_neither_torch_nor_the_runtime():
+    for m, p in MODULES.items():
+        if m.startswith("arealcli.schema"):
+            text = p.read_text()
+            assert "arealcli.runtime" not in {".".join(n.split(".")[:2]) for n in imports(p, False)}, m
+            assert "import torch" not in text, m
+
+
+def test_few_loose_modules_and_every_folder_says_what_lives_there():
+    loose = [p.name for p in RUNTIME.glob("*.py") if p.name != "__init__.py"]
+    assert len(loose) <= 8, loose
+    assert {p.stem for p in RUNTIME.glob("*.py")} - {"__init__"} <= set(LAYERS)
+    assert {p.name for p in RUNTIME.iterdir() if p.is_dir() and p.name != "__pycache__"} <= set(LAYERS)
+    for init in SRC.rglob("__init__.py"):
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
