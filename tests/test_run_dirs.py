@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from arealcli.commands.train import RUN_MARKER
+from arealcli.runtime.run.session import RUN_MARKER
 
 
 def test_overwrite_never_removes_a_directory_it_did_not_create(ws, cli, monkeypatch):

@@ -10,7 +10,6 @@ from arealcli.commands.common import console, err_console, fail, load_recipe, sa
 from arealcli.errors import UserError
 from arealcli.runtime.console.progress import header
 from arealcli.runtime.run.session import (
-    RUN_MARKER,  # noqa: F401  (re-exported: the marker file's name)
     StopSignals,
     Terminated,
     check_resume,

@@ -79,18 +79,18 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow", ".csv")
 def _holds_data_files(folder: Path, max_entries: int = 10_000) -> bool | None:
     """Whether `folder` or one of its subfolders (`data/train.parquet`) holds a data file; None when there
     are too many entries to tell. Hidden files and folders are skipped, as the `datasets` library does."""
-    visible = [e for e in _entries(folder) if not e.name.startswith(".")]
-    subfolders = [e for e in visible if e.is_dir()]
-    seen = len(visible)
-    for entries in [visible] + [_entries(Path(d.path)) for d in subfolders]:
-        seen += len(entries) if entries is not visible else 0
-        if seen > max_entries:
-            return None
-        if any(
-            not e.name.startswith(".") and e.is_file() and Path(e.name).suffix in DATA_SUFFIXES
-            for e in entries
-        ):
-            return True
+    pending, seen = [folder], 0
+    for depth in range(2):
+        subfolders = []
+        for current in pending:
+            entries = [e for e in _entries(current) if not e.name.startswith(".")]
+            seen += len(entries)
+            if seen > max_entries:
+                return None
+            if any(e.is_file() and Path(e.name).suffix in DATA_SUFFIXES for e in entries):
+                return True
+            subfolders += [Path(e.path) for e in entries if depth == 0 and e.is_dir()]
+        pending = subfolders
     return False
 
 

@@ -59,7 +59,7 @@ def _call(
     call_type: str,
     inputs: list[str],
     outputs: list[str],
-    mb_spec: Any,
+    mb_spec: Any = None,
     **extra: Any,
 ) -> dict[str, Any]:
     call: dict[str, Any] = {
@@ -135,24 +135,16 @@ class _RL:
             returns_inputs=[*RETURNS_INPUTS, *episode],
         )
 
-    def add(
-        self,
-        origin: str | None,
-        name: str,
-        model: str | None,
-        type_: str,
-        args: dict[str, Any],
-        call_type: str,
-        inputs: list[str],
-        outputs: list[str],
-        **extra: Any,
-    ) -> None:
-        """Append a call that runs once the SFT warmup is over; `origin`: the preset key of its args."""
+    def add(self, origin: str | None, call: dict[str, Any]) -> None:
+        """Append a call (made by `_call`) that runs once the SFT warmup is over, with the preset's
+        micro-batch spec; `origin`: the preset key of its args."""
         if origin is not None:
             self.origin[len(self.calls)] = origin
-        rl = {"start_step": self.warmup} if self.warmup else {}
-        mb = self.df.get("mb_spec")
-        self.calls.append(_call(name, model, type_, args, call_type, inputs, outputs, mb, **extra, **rl))
+        if self.df.get("mb_spec") is not None:
+            call["mb_spec"] = copy.deepcopy(self.df["mb_spec"])
+        if self.warmup:
+            call["start_step"] = self.warmup
+        self.calls.append(call)
 
 
 def _warmup(g: _RL) -> None:
@@ -163,18 +155,20 @@ def _warmup(g: _RL) -> None:
 def _generate(g: _RL) -> None:
     model = "actor_gen" if "actor_gen" in g.models else "actor"  # e.g. generation servers of the actor
     outputs = GEN_OUT + g.episode
-    g.add("actor", "actor_gen", model, "ppo_actor", g.actor, "generate", ["packed_prompts"], outputs)
+    g.add("actor", _call("actor_gen", model, "ppo_actor", g.actor, "generate", ["packed_prompts"], outputs))
 
 
 def _reward(g: _RL) -> None:
     inputs = ["packed_input_ids", "prompt_mask", "answers", *g.episode]
-    g.add("reward", "reward", None, "reward", g.df.get("reward") or {}, "inference", inputs, ["rewards"])
+    args = g.df.get("reward") or {}
+    g.add("reward", _call("reward", None, "reward", args, "inference", inputs, ["rewards"]))
 
 
 def _logprobs(g: _RL, name: str, model: str, key: str) -> None:
     """An inference call of the actor's interface that keeps its log-probs as `key`, for the update."""
     inputs, remap = ["packed_input_ids"], {"packed_logprobs": key}
-    g.add("actor", name, model, "ppo_actor", g.actor, "inference", inputs, [key], output_key_remap=remap)
+    call = _call(name, model, "ppo_actor", g.actor, "inference", inputs, [key], output_key_remap=remap)
+    g.add("actor", call)
     g.train_inputs.append(key)
 
 
@@ -193,7 +187,7 @@ def _proximal(g: _RL) -> None:
 def _values(g: _RL) -> None:
     if g.critic is not None:
         inputs, outputs = ["packed_input_ids"], ["values"]
-        g.add("critic", "critic_inf", "critic", "ppo_critic", g.critic, "inference", inputs, outputs)
+        g.add("critic", _call("critic_inf", "critic", "ppo_critic", g.critic, "inference", inputs, outputs))
         g.train_inputs.append("values")
         g.returns_inputs.append("values")
 
@@ -201,14 +195,15 @@ def _values(g: _RL) -> None:
 def _returns(g: _RL) -> None:
     """Rewards -> advantages and returns, once, for the actor and the critic (one KL controller)."""
     args = returns_args(g.actor, g.critic)
-    g.add(None, "returns", None, "returns", args, "inference", g.returns_inputs, RETURNS_OUT)
+    g.add(None, _call("returns", None, "returns", args, "inference", g.returns_inputs, RETURNS_OUT))
     g.train_inputs += RETURNS_OUT
 
 
 def _train(g: _RL) -> None:
-    g.add("actor", "actor_train", "actor", "ppo_actor", g.actor, "train_step", g.train_inputs, [])
+    g.add("actor", _call("actor_train", "actor", "ppo_actor", g.actor, "train_step", g.train_inputs, []))
     if g.critic is not None:
-        g.add("critic", "critic_train", "critic", "ppo_critic", g.critic, "train_step", g.train_inputs, [])
+        call = _call("critic_train", "critic", "ppo_critic", g.critic, "train_step", g.train_inputs, [])
+        g.add("critic", call)
 
 
 _RL_STAGES = (_warmup, _generate, _reward, _reference, _proximal, _values, _returns, _train)

@@ -221,6 +221,10 @@ def _decode(raw: bytes, file: Path) -> str:
 _NON_PRINTABLE = re.compile("[^\x09\x0a\x0d\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
+def _control(char: str) -> str:
+    return f"control character U+{ord(char):04X} is not allowed in a recipe"
+
+
 def _check_printable(text: str, file: str) -> None:
     """Every control character YAML refuses, as `file:line:col` (not the YAML reader's traceback)."""
     problems: list[str] = []
@@ -230,11 +234,7 @@ def _check_printable(text: str, file: str) -> None:
             break
         before = text[: m.start()]
         line, col = before.count("\n") + 1, m.start() - (before.rfind("\n") + 1) + 1
-        what = (
-            "a NUL byte; is it a binary file?"
-            if m.group() == "\x00"
-            else (f"control character U+{ord(m.group()):04X} is not allowed in a recipe")
-        )
+        what = "a NUL byte; is it a binary file?" if m.group() == "\x00" else _control(m.group())
         problems.append(f"{file}:{line}:{col}: {what}")
     if problems:
         raise RecipeSourceError(problems)
@@ -302,12 +302,7 @@ def parse_override(text: str) -> tuple[Path_, Any]:
         raise RecipeSourceError([f"override {text!r}: expected key.path=value"])
     bad_char = _NON_PRINTABLE.search(text)
     if bad_char:
-        raise RecipeSourceError(
-            [
-                f"override {text!r}:{bad_char.start() + 1}: control character U+{ord(bad_char.group()):04X} "
-                "is not allowed in a recipe"
-            ]
-        )
+        raise RecipeSourceError([f"override {text!r}:{bad_char.start() + 1}: {_control(bad_char.group())}"])
     key, _, raw = text.partition("=")
     if not key or any(not part for part in key.split(".")):
         raise RecipeSourceError([f"override {text!r}: empty key in {key!r}"])

@@ -25,8 +25,9 @@ class ModelBackend:
 
     Args: type = type(None)
     capabilities: frozenset[str] = frozenset(BACKEND_CAPABILITIES)
-    # True: `_initialize` gets `model.module = None` and builds what it needs from `model.source` (a
-    # server loads weights of its own), so the trainer builds no torch module for the model.
+    # True: `_initialize` takes the torch module, when it needs one, from `model.initial_module()` (built
+    # from `model.source` on demand; `model.module` is None unless another model is initialized from this
+    # one, which needs it built anyway), so the trainer builds none for a server-backed model.
     builds_weights: bool = False
 
     def __init__(self, args: Any):
