@@ -99,6 +99,22 @@ def _forward_logits(model, input_ids):  # noqa: ANN001, ANN202
     return torch.cat(parts, dim=-1)  # [b, s, V/tp] x tp -> [b, s, V]
 
 
+def leave_world(code: int = 0) -> None:
+    """End a test's worker process: leave the process group, then exit without interpreter teardown.
+
+    gloo's worker threads can still hold tensors when Python finalizes; destroying them then aborts
+    the process now and then ("terminate called without an active exception") after all its work is
+    done and written. A worker's result is on disk by this point, so nothing is lost by skipping it.
+    """
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _worker(workdir: Path, layouts: list[tuple[int, int]], attentions: list[str]) -> None:
     import torch
     import torch.distributed as dist
@@ -129,7 +145,7 @@ def _worker(workdir: Path, layouts: list[tuple[int, int]], attentions: list[str]
                     name = f"{model_dir.name}_{attention}_tp{tp}pp{pp}.pt"
                     torch.save(logits[..., : hf_config.vocab_size].clone(), workdir / name)
         destroy_parallel()
-    dist.destroy_process_group()
+    leave_world()
 
 
 if __name__ == "__main__":

@@ -137,7 +137,9 @@ def main() -> None:
         layout, _, tasks = item.partition(":")
         tp, pp = (int(x) for x in layout.split("x"))
         run_layout(a.workdir, tp, pp, set(filter(None, tasks.split("+"))))
-    dist.destroy_process_group()
+    from _dist_helpers import leave_world
+
+    leave_world()
 
 
 if __name__ == "__main__":

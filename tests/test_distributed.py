@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from _dist_helpers import leave_world
 from conftest import TINY_ARCH, Workspace, sft_recipe
 from safetensors.torch import load_file
 from test_cli_subprocess import areal_command
@@ -347,8 +348,7 @@ def _uneven_worker(rank: int, port: int, out: str) -> None:
     engine.save_to_hf(tok, out)
     if rank == 0:
         torch.save({"stats": stats, "logits": lp, "gen": gen.output_ids}, Path(out) / "rank0.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_world()
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _dist_helpers import leave_world
 from conftest import tiny_module
 
 from arealcli.runtime.backends.hf import HFBackend
@@ -199,8 +200,7 @@ def _dist_worker(rank: int, world: int, port: int, out: str) -> None:
             results[f"{scope}-{n_mbs}"] = {n: p.grad for n, p in module.named_parameters()}
     if rank == 0:
         torch.save(results, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_world()
 
 
 def _free_port() -> int:
