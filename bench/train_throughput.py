@@ -10,8 +10,12 @@ token, on a Qwen2-0.5B-shaped model built from its config (random weights, no do
 
 Rows: `plain` (bf16 weights: what a transformers user runs), `plain-amp` (fp32 weights + bf16
 autocast: the precision our engines train in), and our engines, built as the trainer builds them
-and driven through `train_batch(sft_loss, num_answer_tokens)`. `pad%`: the share of computed
-positions that are padding. `loss0`: the loss of the case's first step (same weights everywhere).
+and driven through `train_batch(sft_loss, num_answer_tokens)`: `hf`, `fsdp` (packed rows, chunked
+log-probs), `megatron`, and `hf-padded`, the hf engine as it ran before packing and chunking (every
+micro-batch right-padded to (B, T), full (tokens, V) logits into the loss). `pad%`: the share of
+computed positions that are padding. `best ms`: the fastest timed step, and `best vs` plain's fastest
+over it (the closest to an idle machine on a shared one). `loss0`: the loss of the case's first step
+(same weights everywhere).
 
     python bench/train_throughput.py                          # one GPU, bf16, batch 8 x 2048
     python bench/train_throughput.py --shape tiny --device cpu --steps 2 --warmup 1 --seq-len 128 --batch 2
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size")  # fmt: skip
 SHAPES = {"0.5b": (896, 24, 14, 2, 4864, 151936), "tiny": (64, 2, 4, 2, 128, 1000)}
-BACKENDS = ("plain", "plain-amp", "hf", "fsdp", "megatron")
+BACKENDS = ("plain", "plain-amp", "hf-padded", "hf", "fsdp", "megatron")
 # With bf16 compute (fp32: fp32 everywhere); the others keep fp32 weights and compute under bf16 autocast.
 PRECISION = {"plain": "bf16", "fsdp": "fp32 + bf16 FSDP mp", "megatron": "bf16 + fp32 master"}
 FLOPS_FORMULA = (
@@ -155,7 +159,8 @@ class EngineRunner:
 
         opt = OptimizerConfig(lr=1e-5)  # AdamW, constant LR, clip 1.0
         dt = "bfloat16" if dtype == torch.bfloat16 else "float32"
-        if name == "hf":
+        self.layout = "padded" if name == "hf-padded" else None
+        if name in ("hf", "hf-padded"):
             from arealcli.runtime.backends.hf import HFBackend as Backend
 
             args = b.HFBackendArgs(device=device.type, dtype=dt, optimizer=opt)
@@ -170,6 +175,8 @@ class EngineRunner:
         self.backend = Backend(args)
         model = Model("bench", build_hf(cfg, device, seed), None)  # no other reference: megatron frees it
         self.model = self.backend.initialize(model, FinetuneSpec(1, 2 * batch, 2 * batch, 10**6))
+        if self.layout == "padded":
+            self.model.module.run_microbatch = functools.partial(padded_full_logits, self.model.module)
         budget = batch * seq_len  # the tokens of one fixed-case batch
         self.mb_spec = {"fixed": MicroBatchSpec(), "varlen": MicroBatchSpec(max_tokens_per_mb=budget)}
 
@@ -182,14 +189,25 @@ class EngineRunner:
         return SequenceSample.from_lists(list(range(len(seqs))), data)
 
     def padded_positions(self, seqs, case: str) -> int:
-        mbs = self.sample(seqs).split(self.mb_spec[case])[0]
-        return sum(mb.bs * max(mb.seqlens["packed_input_ids"]) for mb in mbs)  # each mb runs as (B, T_max)
+        from arealcli.runtime.backends import packing
+        from arealcli.runtime.backends.hf import choose_layout
+
+        engine = self.model.module
+        mbs = engine.split_for_training(self.sample(seqs), self.mb_spec[case])
+        lens = [mb.seqlens["packed_input_ids"] for mb in mbs]
+        module = getattr(engine, "module", None)
+        if module is None or not hasattr(module, "config"):  # megatron: each mb runs as (B, T_max)
+            return sum(len(n) * max(n) for n in lens)
+        return sum(
+            packing.computed_positions(module, n, self.layout or choose_layout(module, n)) for n in lens
+        )
 
     def step(self, seqs, case: str) -> float:
         from arealcli.runtime.interfaces.sft import num_answer_tokens, sft_loss
 
         engine = self.model.module
-        stats = engine.train_batch(self.sample(seqs), self.mb_spec[case], sft_loss, num_answer_tokens, 0)
+        loss_fn = full_logits_sft_loss if self.layout == "padded" else sft_loss
+        stats = engine.train_batch(self.sample(seqs), self.mb_spec[case], loss_fn, num_answer_tokens, 0)
         return stats["loss"]
 
     def close(self) -> None:
@@ -197,8 +215,28 @@ class EngineRunner:
         del self.model, self.backend
 
 
-def measure(step, warmup: int, steps: int, cuda: bool) -> tuple[float, float, float | None]:
-    """(first step's loss, seconds per timed step, peak GiB allocated over all steps)."""
+def padded_full_logits(engine, mb):
+    """The hf engine's forward before packing and chunking: (B, T) rows, packed (tokens, V) logits."""
+    from arealcli.runtime.backends.hf import run_packed
+    from arealcli.runtime.engines.lm_output import LMOutput
+
+    out = run_packed(engine.module, mb, engine.device, layout="padded")
+    return out.logits if isinstance(out, LMOutput) else out
+
+
+def full_logits_sft_loss(logits, mb):
+    """The SFT loss before chunked log-probs: `log_softmax` of the fp32 copy of all (tokens, V) logits."""
+    from arealcli.runtime.interfaces.sft import answer_token_mask
+
+    targets = torch.roll(mb.data["packed_input_ids"].to(logits.device), shifts=-1)
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    mask = answer_token_mask(mb).to(logits.device)  # False at each sequence's last position
+    return (-logp * mask).sum() / mask.sum().clamp(min=1), {"n_tokens": mask.sum().float()}
+
+
+def measure(step, warmup: int, steps: int, cuda: bool) -> tuple[float, float, float, float | None]:
+    """(first step's loss, seconds per timed step, seconds of the fastest timed step, peak GiB allocated
+    over all steps)."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sync()
     if cuda:
@@ -208,11 +246,14 @@ def measure(step, warmup: int, steps: int, cuda: bool) -> tuple[float, float, fl
         step()
     sync()
     t0 = time.perf_counter()
+    best = float("inf")
     for _ in range(steps):
+        t = time.perf_counter()
         step()
-    sync()
+        sync()
+        best = min(best, time.perf_counter() - t)
     dt = (time.perf_counter() - t0) / max(steps, 1)
-    return loss0, dt, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return loss0, dt, best, torch.cuda.max_memory_allocated() / 2**30 if cuda else None
 
 
 def init_distributed(device: torch.device, need: bool) -> int:
@@ -267,28 +308,31 @@ def main() -> None:
             runner = EngineRunner(name, cfg, device, dtype, args.batch, args.seq_len, args.seed)
         for case, seqs in cases.items():
             step = functools.partial(runner.step, seqs, case)
-            loss0, dt, mem = measure(step, args.warmup, args.steps, cuda)
+            loss0, dt, best, mem = measure(step, args.warmup, args.steps, cuda)
             lens = [s.numel() for s in seqs]
             prec = "fp32" if dtype == torch.float32 else PRECISION.get(name, "fp32 + bf16 autocast")
             tflops = step_flops(n_params, cfg, lens) * world / dt / 1e12
             pad = 1 - sum(lens) / runner.padded_positions(seqs, case)
-            rows.append((case, name, prec, sum(lens) * world / dt, tflops, dt * 1e3, pad, mem, loss0))
+            rows.append(
+                (case, name, prec, sum(lens) * world / dt, tflops, dt * 1e3, best * 1e3, pad, mem, loss0)
+            )
         runner.close()
         del runner
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
 
-    base = {r[0]: r[3] for r in rows if r[1] == "plain"}
-    head = f"{'case':<7}{'backend':<10}{'precision':<21}{'tokens/s':>10}{'TFLOP/s':>9}{'step ms':>9}"
-    head += f"{'pad%':>6}{'peak GiB':>9}{'vs plain':>9}{'loss0':>8}"
+    base = {r[0]: (r[3], r[6]) for r in rows if r[1] == "plain"}
+    head = f"{'case':<7}{'backend':<10}{'precision':<21}{'tokens/s':>10}{'TFLOP/s':>9}{'step ms':>9}{'best ms':>9}"
+    head += f"{'pad%':>6}{'peak GiB':>9}{'vs plain':>9}{'best vs':>8}{'loss0':>8}"
     say(head + "\n" + "-" * len(head))
     rows.sort(key=lambda r: list(cases).index(r[0]))  # grouped by case, backends in run order
-    for case, name, prec, tok_s, tflops, ms, pad, mem, loss0 in rows:
+    for case, name, prec, tok_s, tflops, ms, best_ms, pad, mem, loss0 in rows:
         mem = "-" if mem is None else f"{mem:.1f}"
-        ratio = f"{tok_s / base[case]:.2f}" if case in base else "-"
-        line = f"{case:<7}{name:<10}{prec:<21}{tok_s:>10,.0f}{tflops:>9.2f}{ms:>9.1f}{100 * pad:>6.0f}"
-        say(f"{line}{mem:>9}{ratio:>9}{loss0:>8.4f}")
+        ratio = f"{tok_s / base[case][0]:.2f}" if case in base else "-"
+        best_ratio = f"{base[case][1] / best_ms:.2f}" if case in base else "-"
+        line = f"{case:<7}{name:<10}{prec:<21}{tok_s:>10,.0f}{tflops:>9.2f}{ms:>9.1f}{best_ms:>9.1f}"
+        say(f"{line}{100 * pad:>6.0f}{mem:>9}{ratio:>9}{best_ratio:>8}{loss0:>8.4f}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

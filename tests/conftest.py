@@ -198,3 +198,14 @@ def train_until_crash(recipe: Path, run_dir: Path, step: int) -> None:
             trainer.train()
     finally:
         trainer.close()
+
+
+def with_returns(data, **args: Any):
+    """`data` with the `returns` call's keys (advantages, returns, seq_scores, kl_coef), as the grpo and ppo
+    presets give them to the actor's and critic's train_step; `args` are ReturnsArgs."""
+    from arealcli.runtime.interfaces.returns import ReturnsInterface
+    from arealcli.schema.components.engine import MicroBatchSpec
+    from arealcli.schema.components.interfaces import ReturnsArgs
+
+    data.update_(ReturnsInterface(ReturnsArgs(**args)).inference(None, data, MicroBatchSpec()))
+    return data

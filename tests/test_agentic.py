@@ -25,7 +25,7 @@ from arealcli.schema.components.backends import HFBackendArgs, SGLangBackendArgs
 from arealcli.schema.components.datasets import PromptAnswerArgs
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs, RewardArgs, SFTArgs
-from tests.conftest import REPO, load_example, tiny_module, train_until, write_jsonl
+from tests.conftest import REPO, load_example, tiny_module, train_until, with_returns, write_jsonl
 
 SPEC = FinetuneSpec(1, 8, 8, 1000)
 TOOL_USE = {"type_": "tool_use", "args": {"max_turns": 3, "max_total_tokens": 32}}
@@ -160,7 +160,7 @@ def test_tool_call_episodes_round_trip_through_training_on_hf(trained, char_tok)
     )
     assert torch.equal(answer_token_mask(train), own)
     before = {k: v.clone() for k, v in actor.module.module.state_dict().items()}
-    result = interface.train_step(actor, train, MicroBatchSpec(n_mbs=2))
+    result = interface.train_step(actor, with_returns(train), MicroBatchSpec(n_mbs=2))
     assert result["n_updates"] == 1 and torch.isfinite(torch.tensor(result["loss"]))
     assert any(not torch.equal(before[k], v) for k, v in actor.module.module.state_dict().items())
 
@@ -233,7 +233,7 @@ def test_tool_output_tokens_get_no_gradient(char_tok):
             Model("actor", copy.deepcopy(base), char_tok), SPEC
         )
         PPOActorInterface(PPOActorArgs(adv_norm="group", generation={"n": 2})).train_step(
-            model, batch, MicroBatchSpec()
+            model, with_returns(batch), MicroBatchSpec()
         )
         return {k: v.clone() for k, v in model.module.module.state_dict().items()}
 
@@ -408,7 +408,7 @@ def test_agent_quickstart_learns_to_use_the_calculator(tmp_path, rollout):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    held_out = [m["eval/actor_train/accuracy"] for m in metrics if "eval/actor_train/accuracy" in m]
+    held_out = [m["eval/accuracy"] for m in metrics if "eval/accuracy" in m]
     assert held_out[0] < 0.1 and held_out[-1] >= 0.6, held_out
     rewards = [m["actor_train/reward"] for m in metrics if "actor_train/reward" in m]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards  # RL raises the sampled reward

@@ -20,10 +20,14 @@ from arealcli.runtime.algo.functional import (
     gae,
     group_normalize,
     kl_estimate,
+    loglinear_alpha,
+    loglinear_prox_logp,
     masked_mean,
     masked_normalize,
+    mismatch_stats,
     overlong_penalty,
     ppo_actor_loss,
+    prox_approx_errors,
     shape_scores,
     token_rewards,
 )
@@ -442,6 +446,64 @@ def test_ppo_actor_loss_decoupled():
     loss, stats = ppo_actor_loss(logp, old_logp, adv, mask, prox_logp=prox)  # no cap: all 3 count
     assert_close(loss, torch.tensor((-2.2 + 0.5 - 20.0855369) / 3))
     assert_close(stats["behav_imp_weight_mean"], torch.tensor((2 + 0.5 + 20.0855369) / 3))
+
+
+def test_ppo_actor_loss_sequence_level_behaviour_weights():
+    # row 0: token log-weights (prox - old) ln2 and ln8 -> geometric mean exp((ln2 + ln8) / 2) = 4
+    # row 1: log-weights 0 and -ln4 (the pad's 99 ignored) -> exp(-ln4 / 2) = 0.5
+    # ratio vs prox = 1 everywhere, A = +1 -> L = -w per token; cap 3: row 0 is over it
+    ln8 = 3 * LN2
+    old_logp = torch.zeros(2, 3)
+    prox = torch.tensor([[LN2, ln8, 99.0], [0.0, -2 * LN2, 99.0]])
+    logp = prox.clone().requires_grad_()
+    adv = torch.ones(2, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    loss, stats = ppo_actor_loss(
+        logp, old_logp, adv, mask, prox_logp=prox, behav_imp_weight_cap=3.0, behav_imp_weight_mode="seq-mask"
+    )
+    # row 0 masked (its 2 tokens stay in the denominator): (0 + 0 - .5 - .5) / 4
+    assert_close(loss, torch.tensor(-1.0 / 4))
+    assert_close(stats["behav_imp_weight_capped_frac"], torch.tensor(0.5))
+    assert_close(stats["behav_imp_weight_mean"], torch.tensor((4 + 4 + 0.5 + 0.5) / 4))
+    loss, _ = ppo_actor_loss(
+        logp,
+        old_logp,
+        adv,
+        mask,
+        prox_logp=prox,
+        behav_imp_weight_cap=3.0,
+        behav_imp_weight_mode="seq-truncate",
+    )
+    assert_close(loss, torch.tensor((-3 - 3 - 0.5 - 0.5) / 4))  # row 0's weight truncated to 3
+    with pytest.raises(ValueError, match="behav_imp_weight_mode must be one of"):
+        ppo_actor_loss(logp, old_logp, adv, mask, prox_logp=prox, behav_imp_weight_mode="sequence")
+
+
+def test_loglinear_proximal_logprobs():
+    # trainer at version V = 5; samples of versions 5 (current: alpha 0), 4 (1/2), 2 (3/4)
+    alpha = loglinear_alpha(torch.tensor([5, 4, 2]), 5)
+    assert_close(alpha, torch.tensor([0.0, 0.5, 0.75]))
+    old = torch.tensor([-1.0, -1.0, -2.0])
+    cur = torch.tensor([-3.0, -3.0, -1.0], requires_grad=True)
+    approx = loglinear_prox_logp(old, cur, alpha)
+    assert_close(approx, torch.tensor([-1.0, -2.0, -1.25]))  # -1 + .5 * (-2); -2 + .75 * 1
+    assert not approx.requires_grad
+    mask = torch.tensor([1.0, 1.0, 0.0])
+    errors = prox_approx_errors(approx, torch.tensor([-1.5, -2.0, 7.0]), old, mask)
+    assert_close(errors["prox_approx_abs_err"], torch.tensor(0.25))  # (.5 + 0) / 2
+    # |e^0 - e^-.5| = .393469 for the first token, 0 for the second
+    assert_close(errors["prox_approx_weight_err"], torch.tensor((1 - math.exp(-0.5)) / 2))
+
+
+def test_mismatch_stats():
+    gen = torch.tensor([[-1.0, -2.0, 5.0]])
+    train = torch.tensor([[-1.0 + LN2, -2.0, -9.0]])  # the pad (third) ignored
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    stats = mismatch_stats(gen, train, mask)
+    assert_close(stats["mismatch_abs_log_ratio"], torch.tensor(LN2 / 2))
+    # k3 of KL(gen || train) on gen's samples: log r = gen - train = -ln2: e^ln2 - 1 - ln2 = 1 - ln2
+    assert_close(stats["mismatch_kl"], torch.tensor((1 - LN2) / 2))
+    exact_zero(mismatch_stats(gen, gen, mask)["mismatch_kl"])
 
 
 def test_decoupled_loss_with_prox_equal_to_old_is_standard_ppo():

@@ -104,15 +104,38 @@ def test_pack_bins_properties(seed):
             assert sum(sizes[i] for i in b) <= budget or len(b) == 1
 
 
-def test_pack_bins_first_fit_decreasing_by_hand():
-    # Largest first: 6 -> A; 5 -> B; 4 -> C; 3 -> B (5+3=8); 2 -> A (6+2=8); 1 -> C (4+1=5).
+def test_pack_bins_balanced_by_hand():
+    # First-fit-decreasing needs 3 bins of 8 (6+2, 5+3, 4+1: loads 8, 8, 5). Balanced over 3 bins,
+    # largest first into the lightest: 6 -> A; 5 -> B; 4 -> C; 3 -> C (7); 2 -> B (7); 1 -> A (7).
     sizes = [5, 3, 4, 2, 6, 1]
-    assert pack_bins(sizes, 1, 8) == [[0, 1], [2, 5], [3, 4]]
+    assert pack_bins(sizes, 1, 8) == [[0, 3], [1, 2], [4, 5]]
     # Without a budget everything fits in one bin; n_mbs forces a balanced split.
     assert pack_bins(sizes, 1, None) == [[0, 1, 2, 3, 4, 5]]
     two = pack_bins(sizes, 2, None)
     assert len(two) == 2
     assert sorted(sum(sizes[i] for i in b) for b in two) == [10, 11]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pack_bins_loads_are_balanced(seed):
+    """The loads of the bins differ by at most the largest item (longest-first into the lightest bin),
+    with no more bins than first-fit-decreasing needs when the budget allows."""
+    rng = random.Random(seed)
+    sizes = [rng.randint(1, 100) for _ in range(rng.randint(2, 60))]
+    budget = rng.choice([None, 150, 400])
+    min_bins = rng.randint(1, 6)
+    bins = pack_bins(sizes, min_bins, budget)
+    loads = [sum(sizes[i] for i in b) for b in bins]
+    assert max(loads) - min(loads) <= max(sizes)
+    if budget is not None:
+        ffd: list[int] = []
+        for s in sorted(sizes, reverse=True):
+            j = next((j for j, load in enumerate(ffd) if load + s <= budget), None)
+            if j is None:
+                ffd.append(s)
+            else:
+                ffd[j] += s
+        assert len(bins) >= max(min(min_bins, len(sizes)), len(ffd))
 
 
 def test_pack_bins_oversize_items_get_their_own_bin():

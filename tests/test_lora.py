@@ -185,7 +185,7 @@ def test_grpo_on_adapters_raises_the_logprob_of_rewarded_samples(char_tok):
     from arealcli.schema.components.backends import HFBackendArgs
     from arealcli.schema.components.engine import MicroBatchSpec
     from arealcli.schema.components.interfaces import PPOActorArgs
-    from tests.conftest import tiny_module
+    from tests.conftest import tiny_module, with_returns
     from tests.test_rl_interfaces import prompts
 
     args = HFBackendArgs(
@@ -198,6 +198,7 @@ def test_grpo_on_adapters_raises_the_logprob_of_rewarded_samples(char_tok):
     data = iface.generate(model, prompts(char_tok, ["5+2=", "3+3="]), MicroBatchSpec())
     data.data["rewards"] = torch.tensor([1, 0, 0, 0, 0, 0, 0, 1], dtype=torch.float32)
     data.seqlens["rewards"] = [1] * data.bs
+    with_returns(data)
     before, mask = response_view(iface.inference(model, data, MicroBatchSpec()).data["packed_logprobs"], data)
     iface.train_step(model, data, MicroBatchSpec())
     after, _ = response_view(iface.inference(model, data, MicroBatchSpec()).data["packed_logprobs"], data)

@@ -37,8 +37,8 @@ def test_ppo_preset_adds_critic_and_reference(tmp_path):
         "sft_warmup",
         "actor_gen",
         "reward",
-        "ref_inf",
-        "critic_inf",
+        "ref_logprobs",
+        "values",
         "returns",
         "actor_train",
         "critic_train",
@@ -50,7 +50,7 @@ def test_ppo_preset_adds_critic_and_reference(tmp_path):
     assert calls["returns"].interface.args.returns_lambda == recipe["dataflow"]["critic"].get(
         "gae_lambda", 0.95
     )
-    assert calls["ref_inf"].output_key_remap == {"packed_logprobs": "packed_ref_logprobs"}
+    assert calls["ref_logprobs"].output_key_remap == {"packed_logprobs": "packed_ref_logprobs"}
     assert {"values", "packed_ref_logprobs"} <= set(calls["actor_train"].inputs)
 
 
@@ -88,3 +88,51 @@ def test_group_normalization_needs_groups():
         assert "adv_norm=group needs generation.n >= 2" in str(e)
     else:
         raise AssertionError("expected a problem")
+
+
+def test_a_written_graph_without_returns_is_refused(tmp_path):
+    """The actor's update reads the returns call's advantages: a graph without that call is an error of
+    `areal check`, not a crash at the first RL step."""
+    recipe = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
+    calls = [c.model_dump(mode="json") for c in _calls(REPO / "recipes" / "quickstart.yaml")]
+    calls = [c for c in calls if c["name"] != "returns"]
+    train = next(c for c in calls if c["name"] == "actor_train")
+    train["inputs"] = [
+        k for k in train["inputs"] if k not in ("advantages", "returns", "seq_scores", "kl_coef")
+    ]
+    recipe["dataflow"] = {"calls": calls}
+    path = tmp_path / "written.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    try:
+        validate(load_recipe_source(path))
+    except RecipeInvalid as e:
+        messages = [p.message for p in e.problems]
+    else:
+        raise AssertionError("a train_step without the returns keys passed the checks")
+    assert any(
+        "interface 'ppo_actor' trains on advantages, kl_coef, returns, seq_scores" in m and "`returns`" in m
+        for m in messages
+    ), messages
+
+
+def test_proximal_logprobs_call_only_when_recomputed():
+    def names(method: str) -> list[str]:
+        recipe = REPO / "recipes" / "quickstart-async.yaml"
+        return [c.name for c in _calls(recipe, f"dataflow.actor.prox_logp_method={method}")]
+
+    assert "prox_logprobs" in names("recompute") and "prox_logprobs" in names("metrics")
+    assert "prox_logprobs" not in names("loglinear") and "prox_logprobs" not in names("rollout")
+
+
+def test_held_out_prompts_are_scored_by_the_training_reward(tmp_path):
+    calls = {
+        c.name: c
+        for c in _calls(REPO / "recipes" / "quickstart.yaml", "dataflow.reward.reward_fn=exact_match")
+    }
+    assert calls["actor_train"].interface.args.eval_reward_fn == "exact_match"
+    said = _calls(
+        REPO / "recipes" / "quickstart.yaml",
+        "dataflow.reward.reward_fn=exact_match",
+        "dataflow.actor.eval_reward_fn=math",
+    )
+    assert {c.name: c for c in said}["actor_train"].interface.args.eval_reward_fn == "math"

@@ -16,7 +16,7 @@ from tests.conftest import REPO
 
 def eval_accuracy(run_dir) -> dict[int, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["eval/actor_train/accuracy"] for r in rows if "eval/actor_train/accuracy" in r}
+    return {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
 
 
 def train(recipe: str, run_dir, *overrides: str) -> None:
@@ -58,5 +58,5 @@ def test_multi_turn_sft_learns_the_assistant_turns(tmp_path):
     run_dir = tmp_path / "run"
     train("sft-chat.yaml", run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    nll = [r["eval/sft/nll"] for r in rows if "eval/sft/nll" in r]
+    nll = [r["eval/nll"] for r in rows if "eval/nll" in r]
     assert nll[0] > 4.0 and nll[-1] < 1.0, nll  # per assistant token, from uniform guessing to learned

@@ -11,14 +11,21 @@ from arealcli.runtime.backends.hf import HFBackend
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
 from arealcli.runtime.interfaces.ppo_critic import PPOCriticInterface
+from arealcli.runtime.interfaces.returns import ReturnsInterface
 from arealcli.runtime.interfaces.reward import RewardInterface
 from arealcli.runtime.interfaces.rl_common import compute_returns, response_view, to_packed
 from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.models.value_head import with_value_head
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import MicroBatchSpec
-from arealcli.schema.components.interfaces import PPOActorArgs, PPOCriticArgs, RewardArgs
-from tests.conftest import tiny_module
+from arealcli.schema.components.interfaces import (
+    PPOActorArgs,
+    PPOCriticArgs,
+    ReturnsArgs,
+    RewardArgs,
+    RewardShaping,
+)
+from tests.conftest import tiny_module, with_returns
 
 SPEC = FinetuneSpec(1, 8, 8, 100)
 
@@ -69,11 +76,19 @@ def test_response_view_round_trip(char_tok, actor):
 
 
 def _rollout(char_tok, actor, rewards, n=4):
+    """Generated samples with the given rewards, and the `returns` call's advantages (GAE lambda 1)."""
     iface = PPOActorInterface(PPOActorArgs(generation={"n": n, "max_new_tokens": 3}))
     data = iface.generate(actor, prompts(char_tok, ["5+2=", "3+3="]), MicroBatchSpec())
     data.data["rewards"] = torch.tensor(rewards, dtype=torch.float32)
     data.seqlens["rewards"] = [1] * data.bs
-    return iface, data
+    return iface, with_returns(data, max_new_tokens=3)
+
+
+def test_train_steps_need_the_returns_call(char_tok, actor):
+    iface, data = _rollout(char_tok, actor, [1.0] * 8)
+    bare = data.select(data.keys - {"advantages", "returns", "seq_scores"})
+    with pytest.raises(RuntimeError, match="ppo_actor's train_step needs advantages, returns, seq_scores"):
+        iface.train_step(actor, bare, MicroBatchSpec())
 
 
 def test_identical_rewards_in_every_group_give_no_update(char_tok):
@@ -120,7 +135,7 @@ def test_critic_learns_returns(char_tok, actor):
         errors.append(value_error())
     assert errors[-1] < 0.3 * errors[0], errors
     # with gamma = lambda = 1 and no KL the return of every token is the sequence's score
-    r = compute_returns(data, c.args.shaping, 1.0, 0.0)
+    r = compute_returns(data, RewardShaping(), 1.0, 0.0)
     torch.testing.assert_close(r.returns[r.mask], data.data["rewards"][:, None].expand_as(r.mask)[r.mask])
 
 
@@ -142,9 +157,6 @@ def test_reward_interface_scores_with_registered_function(char_tok):
 def test_returns_are_computed_once_for_actor_and_critic(char_tok, actor):
     """The `returns` call: one adaptive KL controller; the actor and the critic use its coefficient and
     its advantages / returns (before, the critic used the fixed initial coefficient)."""
-    from arealcli.runtime.interfaces.returns import ReturnsInterface
-    from arealcli.schema.components.interfaces import ReturnsArgs
-
     _, data = _rollout(char_tok, actor, [1, 0, 0, 0, 0, 0, 0, 1])
     ref = engine_model(char_tok, tiny_module(char_tok, seed=9, tie_word_embeddings=False))
     ref_iface = PPOActorInterface(PPOActorArgs(generation={"n": 4, "max_new_tokens": 3}))
@@ -195,3 +207,46 @@ def test_returns_are_computed_once_for_actor_and_critic(char_tok, actor):
     data.data["returns"] = torch.full_like(data.data["returns"], 0.25)  # what the critic is given
     cstats = PPOCriticInterface(PPOCriticArgs()).train_step(critic, data, MicroBatchSpec())
     assert abs(cstats["returns_mean"] - 0.25) < 1e-6  # it trains on the provided returns
+
+
+def _decoupled(method: str, **extra) -> PPOActorInterface:
+    args = {"generation": {"n": 4, "max_new_tokens": 3}, "use_decoupled_loss": True, **extra}
+    return PPOActorInterface(PPOActorArgs(prox_logp_method=method, **args))
+
+
+def test_proximal_logprob_methods(char_tok):
+    """loglinear needs no forward pass: on samples of the current weights it is the behaviour log-probs
+    (= rollout, bit for bit); on older samples it interpolates by version; metrics logs its error."""
+    model = engine_model(char_tok, tiny_module(char_tok, seed=3), lr=5e-3, optimizer="sgd")
+    _, data = _rollout(char_tok, model, [1, 0, 0, 0, 0, 0, 0, 1])
+    prox = _decoupled("recompute").inference(model, data, MicroBatchSpec()).data["packed_logprobs"]
+    data.data["packed_prox_logprobs"] = prox
+    data.seqlens["packed_prox_logprobs"] = list(data.seqlens["packed_input_ids"])
+
+    def step(method: str, version: int = 0, **extra):
+        m = copy.deepcopy(model)
+        m.version.global_step = version
+        stats = _decoupled(method, **extra).train_step(m, data, MicroBatchSpec())
+        return stats, m.module.module.state_dict()
+
+    rollout, w_rollout = step("rollout")
+    loglinear, w_loglinear = step("loglinear")
+    assert all(torch.equal(w_rollout[k], v) for k, v in w_loglinear.items())
+    assert loglinear["behav_imp_weight_mean"] == pytest.approx(1.0)
+
+    metrics, _ = step("metrics")  # alpha = 0: the approximation is the behaviour log-probs
+    assert metrics["prox_approx_abs_err"] == pytest.approx(metrics["mismatch_abs_log_ratio"], rel=1e-6)
+    assert metrics["mismatch_abs_log_ratio"] < 1e-4  # same weights: numeric mismatch only
+
+    # samples 2 versions old: alpha = (2 - 0) / (3 - 0); the weight is exp(alpha (log pi - log pi_b))
+    stale, _ = step("loglinear", version=2)
+    old, mask = response_view(data.data["packed_logprobs"], data)
+    now, _ = response_view(prox, data)
+    want = torch.exp(2 / 3 * (now - old))[mask].mean()
+    assert stale["behav_imp_weight_mean"] == pytest.approx(float(want), rel=1e-5)
+    assert stale["version_lag"] == 2
+
+
+def test_prox_logp_method_needs_the_decoupled_loss():
+    with pytest.raises(ValueError, match="set use_decoupled_loss: true"):
+        PPOActorArgs(prox_logp_method="loglinear")

@@ -263,6 +263,43 @@ def test_concurrent_requests_are_batched(server):
     assert after["batches"] - before["batches"] <= 8  # 16 requests, far fewer generate calls
 
 
+def test_concurrent_completions_equal_sequential_ones_in_fewer_forward_passes(server):
+    """Greedy /v1/completions sent at once (different prompts, lengths, stop strings, min_tokens, n) get
+    what they get one at a time, and share the model's forward passes."""
+    base = f"http://{server.address}"
+    bodies = []
+    for i, prompt in enumerate(["max(3,1,2)=", "7=", "max(37,82,15)=", "a", "12+30=", "b b b"] * 4):
+        body = {"prompt": prompt, "max_tokens": 3 + i % 6, "temperature": 0, "logprobs": 0}
+        body |= {"min_tokens": 3} if i % 5 == 1 else {}
+        body |= {"stop": ["1", "b"]} if i % 7 == 2 else {}
+        body |= {"n": 2} if i % 4 == 3 else {}
+        bodies.append(body)
+
+    def forwards() -> int:
+        return get(server, "/get_server_info").json()["internal_states"][0]["forwards"]
+
+    def outcome(r: httpx.Response) -> list[tuple]:
+        assert r.status_code == 200, r.text
+        return [(c["text"], c["token_ids"], c["finish_reason"]) for c in r.json()["choices"]]
+
+    async def at_once():
+        async with httpx.AsyncClient(trust_env=False, timeout=60) as c:
+            await asyncio.gather(*(c.get(f"{base}/health") for _ in bodies))  # connections open first
+            return await asyncio.gather(*(c.post(f"{base}/v1/completions", json=b) for b in bodies))
+
+    f0 = forwards()
+    together = asyncio.run(at_once())
+    f1 = forwards()
+    alone = [post(server, "/v1/completions", b) for b in bodies]
+    f2 = forwards()
+    assert [outcome(r) for r in together] == [outcome(r) for r in alone]
+    for a, b in zip(together, alone, strict=True):
+        for ca, cb in zip(a.json()["choices"], b.json()["choices"], strict=True):
+            assert max_diff(ca["logprobs"]["token_logprobs"], cb["logprobs"]["token_logprobs"]) < 1e-5
+    assert {c["finish_reason"] for r in alone for c in r.json()["choices"]} >= {"length"}
+    assert f1 - f0 <= (f2 - f1) // 3  # one at a time: a forward pass per token; at once: shared
+
+
 # --------------------------------------------------------------------------- the backend
 
 

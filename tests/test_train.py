@@ -54,7 +54,7 @@ def test_sft_loss_and_eval_nll_fall(ws, cli):
     assert all(map(torch.isfinite, torch.tensor(losses)))
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.5 * first, (first, last)
-    evals = [r["eval/sft/nll"] for r in rows if "eval/sft/nll" in r]
+    evals = [r["eval/nll"] for r in rows if "eval/nll" in r]
     assert len(evals) == 2 and evals[1] < 0.6 * evals[0], evals
     assert rows[0]["step"] == 0 and "sft/loss" not in rows[0]  # eval_at_start
 

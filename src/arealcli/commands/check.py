@@ -8,18 +8,30 @@ import typer
 import yaml
 from rich.text import Text
 
-from arealcli.commands.common import console, fail, load_recipe, say_error
+from arealcli.commands.common import (
+    console,
+    fail,
+    load_recipe,
+    overrides_argument,
+    recipe_argument,
+    say_error,
+)
 from arealcli.schema.paths import path_problems
 
 
 def check(
-    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
-    overrides: list[str] = typer.Argument(
-        None, help="key.path=value overrides (relative paths in them: from the current directory)."
-    ),
+    recipe: Path = recipe_argument(),
+    overrides: list[str] = overrides_argument(),
     print_: bool = typer.Option(False, "--print", help="Print the fully resolved recipe.", metavar=""),
 ) -> None:
-    """Validate a recipe: every error at once, with file:line:col."""
+    """Validate a recipe without importing torch: every error at once, with file:line:col.
+
+    Examples:
+      areal check recipes/quickstart.yaml
+      areal check recipes/quickstart.yaml dataflow.actor.generation.n=8
+      areal check recipes/quickstart.yaml dataflow.mb_spec.n_mbs=2
+      areal check recipes/sft-quickstart.yaml --print
+    """
     resolved, src = load_recipe(recipe, overrides or [])
     problems = path_problems(resolved, recipe.resolve().parent)
     for p in (p for p in problems if p.missing):  # may exist where the recipe will run
@@ -58,9 +70,18 @@ def check(
     console.print(Text("batch plan", style="bold"))
     for line in _plan(resolved):
         console.print(Text(f"  {line}"))
+    console.print(Text("placement", style="bold"))
+    for line in _placement(resolved):
+        console.print(Text(f"  {line}"))
 
 
 def _plan(resolved) -> list[str]:
     from arealcli.schema.plan import plan_lines
 
     return plan_lines(resolved)
+
+
+def _placement(resolved) -> list[str]:
+    from arealcli.schema.plan import placement_lines
+
+    return placement_lines(resolved)

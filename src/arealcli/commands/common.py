@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -18,9 +19,15 @@ console = Console(emoji=False, highlight=False)
 err_console = Console(stderr=True, emoji=False, highlight=False, soft_wrap=True)
 
 
+def say(line: str, out: Console = console) -> None:
+    """One message, literal: in a terminal wrapped between words, elsewhere one line (greppable)."""
+    out.print(Text(line), soft_wrap=not out.is_terminal)
+
+
 def say_error(line: str, title: str = "error") -> None:
     """One message on stderr, `title:` styled, the message itself literal."""
-    err_console.print(Text.assemble((f"{title}: ", "bold red"), line) if title else Text(line))
+    text = Text.assemble((f"{title}: ", "bold red"), line) if title else Text(line)
+    err_console.print(text, soft_wrap=not err_console.is_terminal)  # a terminal: wrapped between words
 
 
 def fail(lines: list[str], title: str = "error") -> typer.Exit:
@@ -42,3 +49,16 @@ def load_recipe(file: Path, overrides: list[str]) -> tuple[Recipe, Located]:
         raise fail(lines, title="") from None
     except RegistryError as e:
         raise fail([str(e)]) from None
+
+
+def recipe_argument() -> Any:  # a typer.Argument, typed as the value it gives
+    return typer.Argument(..., metavar="RECIPE", help="Recipe YAML file.", show_default=False)
+
+
+def overrides_argument() -> Any:
+    return typer.Argument(
+        None,
+        metavar="KEY=VALUE",
+        help="Overrides such as trainer.max_steps=100 (relative paths in them: from the current directory).",
+        show_default=False,
+    )

@@ -15,14 +15,26 @@ SHIPPED = Path(__file__).resolve().parents[3] / "recipes"  # a clone's recipes/ 
 
 def init(
     name: str = typer.Argument(
-        None, help="Name of the new recipe (and its experiment): writes NAME.yaml here."
+        None,
+        metavar="NAME",
+        help="Name of the new recipe (and its experiment): writes NAME.yaml here.",
+        show_default=False,
     ),
     from_: str = typer.Option(
-        "quickstart", "--from", help="A shipped recipe's name (areal init --list) or any recipe file."
+        "quickstart",
+        "--from",
+        metavar="RECIPE",
+        help="A shipped recipe's name (areal init --list) or any recipe file.",
     ),
     list_: bool = typer.Option(False, "--list", help="List the shipped recipes.", metavar=""),
 ) -> None:
-    """Copy a recipe to NAME.yaml with its experiment renamed and local paths made absolute."""
+    """Copy a recipe to NAME.yaml with its experiment renamed and local paths made absolute.
+
+    Examples:
+    areal init --list
+    areal init my-run
+    areal init my-ppo --from ppo-quickstart
+    """
     shipped = sorted(p.stem for p in SHIPPED.glob("*.yaml")) if SHIPPED.is_dir() else []
     if list_:
         for stem in shipped:
@@ -58,7 +70,8 @@ def init(
 
 
 def rewrite(text: str, source_dir: Path, name: str) -> str:
-    """The recipe text with `experiment: NAME`, relative local paths absolute (comments kept)."""
+    """The recipe text with `experiment: NAME`, relative local paths absolute, and the `# Run:` comment
+    naming the new file (other comments kept)."""
     data = yaml.safe_load(text) or {}
     paths: set[str] = set()
     for spec in (data.get("models") or {}).values():
@@ -75,6 +88,7 @@ def rewrite(text: str, source_dir: Path, name: str) -> str:
         if not Path(p).expanduser().is_absolute():
             text = re.sub(rf"(?<=[\s:{{,]){re.escape(p)}(?=[\s,}}]|$)", str((source_dir / p).resolve()), text)
     text = re.sub(r"(?m)^experiment:.*$", f"experiment: {name}", text, count=1)
+    text = re.sub(r"(?m)^(#.*\bRun: areal train )\S+", rf"\g<1>{name}.yaml", text)  # the new file's command
     schema = (source_dir / ".." / "recipe.schema.json").resolve()
     text = re.sub(
         r"(?m)^# yaml-language-server: \$schema=.*$", f"# yaml-language-server: $schema={schema}", text

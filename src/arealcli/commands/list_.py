@@ -1,8 +1,11 @@
-"""`areal list [interfaces|backends|datasets|rewards|NAME]`: what is registered, with each one's arguments.
+"""`areal list [KIND|SECTION|NAME]`: what is registered, with each one's arguments, and the keys of
+every recipe section.
 
-`areal list NAME` shows one component with its nested settings expanded (`generation.n`,
-`optimizer.lr_scheduler`, ...). Types print as a recipe writes them: `float | None`, `list[str]`,
-`'constant' | 'linear' | 'cosine'`.
+Every argument is listed with its nested settings expanded (`generation.n`, `optimizer.lr_scheduler`,
+...); types print as a recipe writes them (`float | None`, `list[str]`, `'constant' | 'linear'`),
+defaults as YAML values. In a terminal: tables. Piped or with `--plain`: one key per line, `key  type
+default  description`, never wrapped, so `areal list ppo_actor | grep generation.temperature` finds it.
+A recipe section (`areal list trainer`) lists its keys as an override writes them (`trainer.max_steps`).
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import typing
 import typer
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
-from rich.table import Table
+from rich.padding import Padding
 from rich.text import Text
 
 from arealcli.commands.common import console, fail
 from arealcli.schema.registry import ALL, RegistryError, import_plugins, suggest
 
 KINDS = ("interfaces", "backends", "datasets", "rewards", "workflows", "tools")
+SECTIONS = ("recipe", "models", "tokenizer", "dataset", "eval_dataset", "dataflow", "trainer", "rollout")
 
 
 def type_name(annotation) -> str:
@@ -39,7 +43,31 @@ def type_name(annotation) -> str:
         return "None"
     if annotation is typing.Any:
         return "any"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "mapping"  # its keys are listed below it
     return getattr(annotation, "__name__", str(annotation))
+
+
+def readable(default: str) -> str:
+    """A default as a recipe writes it (YAML): `null`, `math`, `''`, `[]`, `{n: 1}`."""
+    if default.startswith("("):
+        return default
+    value = json.loads(default)
+    if isinstance(value, str):
+        return value if value and value.strip() == value and value[0] not in "[{'\"" else repr(value)
+    return _flow(value)
+
+
+def _flow(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_flow(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_flow(v)}" for k, v in value.items()) + "}"
+    return str(value) if not isinstance(value, str) else (value or "''")
 
 
 def _default(field) -> str:
@@ -96,27 +124,74 @@ def _entry_payload(kind: str, e, expand: bool = False) -> dict:
     }
 
 
+def section_rows(name: str) -> list[dict]:
+    """The keys of a recipe section, as an override writes them (`trainer.max_steps`)."""
+    from arealcli.schema.presets import PresetSpec
+    from arealcli.schema.recipe import (
+        CallSpec,
+        DatasetSpec,
+        ModelSpec,
+        Recipe,
+        RolloutSpec,
+        TokenizerSpec,
+        TrainerSpec,
+    )
+
+    if name == "recipe":
+        return describe_args(Recipe)
+    if name == "models":
+        return describe_args(ModelSpec, "models.NAME.", expand=True)
+    if name == "dataflow":
+        return describe_args(PresetSpec, "dataflow.", expand=True) + describe_args(
+            CallSpec, "dataflow.calls.N.", expand=True
+        )
+    models: dict[str, type[BaseModel]] = {
+        "tokenizer": TokenizerSpec,
+        "dataset": DatasetSpec,
+        "eval_dataset": DatasetSpec,
+        "trainer": TrainerSpec,
+        "rollout": RolloutSpec,
+    }
+    return describe_args(models[name], f"{name}.", expand=True)
+
+
 def list_(
     what: str = typer.Argument(
-        "all", help="interfaces, backends, datasets, rewards, workflows, tools, all, or one component's name."
+        "all",
+        metavar="WHAT",
+        help="A kind (interfaces, backends, datasets, rewards, workflows, tools), a recipe section "
+        "(recipe, models, tokenizer, dataset, eval_dataset, dataflow, trainer, rollout), all, or one "
+        "component's name.",
     ),
     json_: bool = typer.Option(False, "--json", help="Machine-readable output.", metavar=""),
-    imports: list[str] = typer.Option(None, "--import", help="Also import these plugin modules."),
+    plain: bool = typer.Option(
+        False, "--plain", help="One key per line (the default when piped).", metavar=""
+    ),
+    imports: list[str] = typer.Option(
+        None, "--import", metavar="MODULE", help="Also import these plugin modules."
+    ),
 ) -> None:
-    """Registered interfaces, backends, datasets and rewards, with their arguments."""
+    """Registered components with their arguments, and the keys of the recipe's sections.
+
+    Examples:
+    areal list
+    areal list ppo_actor
+    areal list trainer --plain
+    areal list rewards --json
+    """
     try:
         errors = import_plugins(imports or [])
-        if what in ("all", *KINDS):
+        if what in SECTIONS:
+            payload: dict = {"sections": [{"name": what, "args": section_rows(what)}]}
+        elif what in ("all", *KINDS):
             kinds = list(KINDS) if what == "all" else [what]
-            payload = {k: [_entry_payload(k, e) for e in ALL[k].entries()] for k in kinds}
-            one = None
+            payload = {k: [_entry_payload(k, e, expand=True) for e in ALL[k].entries()] for k in kinds}
         else:
             found = [(k, ALL[k].get(what)) for k in KINDS if what in ALL[k]]
             if not found:
-                names = [n for k in KINDS for n in ALL[k].names()] + ["all", *KINDS]
+                names = [n for k in KINDS for n in ALL[k].names()] + ["all", *KINDS, *SECTIONS]
                 raise fail([f"nothing registered as {what!r}{suggest(what, names)}"])
             payload = {k: [_entry_payload(k, e, expand=True)] for k, e in found}
-            one = found
     except RegistryError as e:
         raise fail([str(e)]) from None
     if errors:
@@ -124,40 +199,46 @@ def list_(
     if json_:
         print(json.dumps(payload, indent=2))
         return
-    if one is not None:
-        for kind, entries in payload.items():
-            for entry in entries:
-                _show_one(kind, entry)
-        return
-    for k, entries in payload.items():
-        table = Table(title=k, show_lines=True, title_justify="left")
-        table.add_column("name", style="bold cyan")
-        table.add_column("what")
-        table.add_column("arguments")
+    show = _plain if plain or not console.is_terminal else _table
+    for kind, entries in payload.items():
         for entry in entries:
-            what_text = Text(entry["description"])
-            for label, key in (("calls", "call_types"), ("can", "capabilities"), ("keys", "keys")):
-                if key in entry:
-                    what_text.append(f"\n{label}: {', '.join(entry[key])}", style="dim")
-            args = Text()
-            for i, a in enumerate(entry["args"]):
-                args.append(("\n" if i else "") + a["name"], style="green")
-                args.append(f": {a['type']} = {a['default']}  ")
-                args.append(a["description"], style="dim")
-            table.add_row(entry["name"], what_text, args if entry["args"] else Text("none", style="dim"))
-        console.print(table)
-    console.print(Text("areal list NAME shows one component with its nested settings", style="dim"))
+            show(kind, entry)
+    if not plain and console.is_terminal and what in ("all", *KINDS):
+        console.print(Text("areal list NAME shows one component; --plain one key per line", style="dim"))
 
 
-def _show_one(kind: str, e: dict) -> None:
-    console.print(Text.assemble((e["name"], "bold cyan"), f"  ({kind[:-1]}, {e['origin']})"))
-    console.print(Text(e["description"]))
-    for label, key in (("calls", "call_types"), ("can", "capabilities"), ("keys", "keys")):
-        if key in e:
-            console.print(Text(f"{label}: {', '.join(e[key])}", style="dim"))
-    table = Table(show_lines=False, box=None, pad_edge=False)
-    for col in ("argument", "type", "default", "description"):
-        table.add_column(col, style="green" if col == "argument" else None, overflow="fold")
+def _about(kind: str, e: dict) -> str:
+    if kind == "sections":
+        return f"{e['name']} (recipe section): its keys as an override writes them"
+    extra = "".join(
+        f"; {label}: {', '.join(e[key])}"
+        for label, key in (("calls", "call_types"), ("can", "capabilities"), ("keys", "keys"))
+        if key in e
+    )
+    return f"{e['name']} ({kind[:-1]}, {e['origin']}): {e['description'].rstrip('.')}{extra}"
+
+
+def _plain(kind: str, e: dict) -> None:
+    """A header line, then one line per key: `key  type  default  description`, columns aligned."""
+    print(f"# {_about(kind, e)}")
+    rows = [(a["name"], a["type"], readable(a["default"]), a["description"]) for a in e["args"]]
+    if not rows:
+        print("(no arguments)")
+    widths = [min(32, max((len(r[i]) for r in rows), default=0)) for i in range(3)]
+    for r in rows:
+        print("  ".join(f"{c:<{w}}" for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
+    print()
+
+
+def _table(kind: str, e: dict) -> None:
+    """For a terminal of any width: `key  type = default` in color, the description wrapped below."""
+    console.print(Text.assemble((e["name"], "bold cyan"), f"  {_about(kind, e)[len(e['name']) + 1 :]}"))
+    if not e["args"]:
+        console.print(Text("  no arguments", style="dim"))
     for a in e["args"]:
-        table.add_row(a["name"], a["type"], a["default"], a["description"])
-    console.print(table)
+        console.print(
+            Text.assemble("  ", (a["name"], "green"), f"  {a['type']} = ", (readable(a["default"]), "bold"))
+        )
+        if a["description"]:
+            console.print(Padding(Text(a["description"], style="dim"), (0, 0, 0, 6)))
+    console.print()

@@ -15,11 +15,27 @@ from arealcli.commands.common import console, fail
 
 
 def report(
-    run_dirs: list[Path] = typer.Argument(..., help="Run directories (as written by areal train)."),
-    output: Path = typer.Option(None, "--output", "-o", help="PNG to write (default: see above)."),
-    labels: list[str] = typer.Option(None, "--label", help="A legend label per run (default: folder names)."),
+    run_dirs: list[Path] = typer.Argument(
+        ..., metavar="RUN_DIR", help="Run directories (as written by areal train).", show_default=False
+    ),
+    output: Path = typer.Option(
+        None,
+        "--output",
+        "-o",
+        metavar="PNG",
+        help="Picture to write (default: RUN_DIR/report.png for one run, report.png here for several).",
+    ),
+    labels: list[str] = typer.Option(
+        None, "--label", metavar="TEXT", help="A legend label per run, in order (default: folder names)."
+    ),
 ) -> None:
-    """Summaries of finished runs and a picture of their metrics (several runs: overlaid)."""
+    """Summaries of finished runs and a picture of their metrics (several runs: overlaid).
+
+    Examples:
+    areal report runs/quickstart
+    areal report runs/quickstart runs/ppo-quickstart -o grpo-vs-ppo.png
+    areal report runs/a runs/b --label sync --label async
+    """
     problems = [
         f"{d}: no metrics.jsonl (is it a run directory of areal train?)"
         for d in run_dirs

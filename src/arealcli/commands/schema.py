@@ -12,13 +12,17 @@ from arealcli.schema.registry import RegistryError, import_plugins
 
 def schema(
     imports: list[str] = typer.Option(
-        None, "--import", help="Also include these plugin modules' components."
+        None, "--import", metavar="MODULE", help="Also include these plugin modules' components."
     ),
 ) -> None:
     """Print the recipe's JSON Schema (every registered component's args typed by its type_).
 
-    `areal schema > recipe.schema.json`, then start a recipe with
-    `# yaml-language-server: $schema=recipe.schema.json` for completion and checks in editors.
+    Start a recipe with `# yaml-language-server: $schema=recipe.schema.json` for completion and
+    checks in editors.
+
+    Examples:
+    areal schema > recipe.schema.json
+    areal schema --import examples.calculator_agent > recipe.schema.json
     """
     try:
         errors = import_plugins(imports or [])

@@ -24,9 +24,11 @@ class Dtype(str, Enum):
 
 
 def serve(
-    model: Path = typer.Option(..., "--model", "--model-path", help="Hugging Face model directory to serve."),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
-    port: int = typer.Option(30000, help="Port; 0 picks a free one (printed when ready)."),
+    model: Path = typer.Option(
+        ..., "--model", "--model-path", metavar="DIR", help="Hugging Face model directory to serve."
+    ),
+    host: str = typer.Option("127.0.0.1", metavar="HOST", help="Interface to listen on."),
+    port: int = typer.Option(30000, metavar="PORT", help="Port; 0 picks a free one (printed when ready)."),
     device: Device = typer.Option(Device.auto, help="auto = cuda when available, else cpu."),
     dtype: Dtype = typer.Option(Dtype.float32, help="Weights and compute dtype."),
     batch_window_ms: float = typer.Option(
@@ -43,9 +45,18 @@ def serve(
     num_threads: int = typer.Option(
         0, min=0, help="torch CPU threads (0 = torch's default; 1 is fastest for small models on busy CPUs)."
     ),
-    log_requests: bool = typer.Option(False, "--log-requests", help="Log every HTTP request."),
+    log_requests: bool = typer.Option(False, "--log-requests", help="Log every HTTP request.", metavar=""),
 ) -> None:
-    """Serve a model over SGLang's native HTTP protocol: /generate, /update_weights_from_disk, /health, ..."""
+    """Serve a model for generation: OpenAI's API under /v1 (completions, chat) and SGLang's native protocol.
+
+    What `launch: embedded` starts for training; a stand-in for SGLang where it does not run (CPU).
+    Requests that arrive together run as one batched generate call.
+
+    Examples:
+    areal serve --model runs/quickstart/checkpoints/step_00000250/actor
+    areal serve --model runs/quickstart/checkpoints/step_00000250/actor --port 0
+    areal serve --model /models/Qwen2.5-0.5B --device cuda --dtype bfloat16
+    """
     if not (model / "config.json").is_file():
         raise fail([f"--model {model}: not a Hugging Face model directory (no config.json)"])
     from arealcli.runtime.serve.http_server import make_server, serve_forever

@@ -2,29 +2,101 @@
 
 from __future__ import annotations
 
+import shlex
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import typer
+from rich.text import Text
 
-from arealcli.commands.common import console, err_console, fail, load_recipe, say_error
+from arealcli.commands.common import (
+    console,
+    err_console,
+    fail,
+    load_recipe,
+    overrides_argument,
+    recipe_argument,
+    say,
+    say_error,
+)
 from arealcli.errors import UserError
 from arealcli.runtime.console.progress import header
 from arealcli.runtime.run.session import (
+    RUN_MARKER,
     StopSignals,
     Terminated,
     check_resume,
     data_parallel_size,
+    has_results,
     prepare_run_dir,
     run_dir_for,
 )
 from arealcli.schema.paths import path_problems
 
 
+@dataclass
+class Invocation:
+    """How this run was started: enough to say the exact command that continues it."""
+
+    recipe: Path
+    overrides: list[str]
+    run_dir: Path
+    default_run_dir: Path
+    launch_flags: list[str] = field(default_factory=list)
+    resumed: bool = False  # this invocation resumed the run
+
+    def resume_command(self) -> str:
+        """The shortest command that continues this run: the same recipe when nothing was changed on
+        the command line; else the run's own resolved recipe (overrides included) and its directory,
+        or, when this invocation resumed (its overrides, e.g. a longer max_steps, are not in the run's
+        recipe), this invocation again."""
+        out = ["-o", str(self.run_dir)] if self.run_dir != self.default_run_dir else []
+        if not self.overrides and not out:
+            args = [str(self.recipe), "--resume"]
+        elif self.resumed:
+            args = [str(self.recipe), *self.overrides, "--resume", *out]
+        else:
+            args = [str(self.run_dir / "recipe.yaml"), "--resume", "-o", str(self.run_dir)]
+        return shlex.join(["areal", "train", *args, *self.launch_flags])
+
+    def restart_command(self) -> str:
+        out = ["-o", str(self.run_dir)] if self.run_dir != self.default_run_dir else []
+        return shlex.join(["areal", "train", str(self.recipe), *self.overrides, *out, "--overwrite"])
+
+
+def _say_stop(lines: list[str]) -> None:
+    """The stop message on stderr: the first line wrapped between words in a terminal, the command on
+    its own line, never broken (a terminal's own wrap keeps it one line for copying)."""
+    say(lines[0], err_console)
+    label, _, command = lines[1].partition(": ")
+    if err_console.is_terminal and len(lines[1]) > err_console.width >= len(command):
+        err_console.print(Text(f"{label}:"))  # the command whole on the next line
+        err_console.print(Text(command), soft_wrap=True)
+    else:
+        err_console.print(Text(lines[1]), soft_wrap=True)
+
+
+def stop_message(why: str, job: Invocation) -> list[str]:
+    """What an interrupted run says: the checkpoint kept (step and path) and the command that
+    continues from it."""
+    from arealcli.runtime.run.checkpoint import latest_checkpoint
+
+    kept = latest_checkpoint(job.run_dir / "checkpoints", cleanup=False)
+    if kept is None:
+        return [
+            f"{why}: no checkpoint was written yet, so nothing can be resumed",
+            f"start again with: {job.restart_command()}",
+        ]
+    step = int(kept.name.split("_")[-1])
+    return [
+        f"{why}: the last complete checkpoint is kept: step {step}, {kept}",
+        f"continue with: {job.resume_command()}",
+    ]
+
+
 def train(
-    recipe: Path = typer.Argument(..., help="Recipe YAML file."),
-    overrides: list[str] = typer.Argument(
-        None, help="key.path=value overrides (relative paths in them: from the current directory)."
-    ),
+    recipe: Path = recipe_argument(),
+    overrides: list[str] = overrides_argument(),
     resume: bool = typer.Option(
         False, "--resume", help="Continue from the run directory's last checkpoint.", metavar=""
     ),
@@ -35,19 +107,39 @@ def train(
         metavar="",
     ),
     output_dir: Path = typer.Option(
-        None, "--output-dir", "-o", help="Run directory (default runs/<experiment>)."
+        None, "--output-dir", "-o", metavar="DIR", help="Run directory (default runs/<experiment>)."
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Check the recipe, overrides and run directory, say what would run, and stop.",
+        metavar="",
     ),
     nproc_per_node: int = typer.Option(
-        1, "--nproc-per-node", min=1, help="Worker processes on this node (data-parallel ranks)."
+        1, "--nproc-per-node", min=1, metavar="N", help="Worker processes on this node (data-parallel ranks)."
     ),
-    nnodes: int = typer.Option(1, "--nnodes", min=1, help="Nodes (run the same command on each)."),
-    node_rank: int = typer.Option(0, "--node-rank", min=0, help="This node's rank, 0..nnodes-1."),
-    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Address of node 0."),
+    nnodes: int = typer.Option(
+        1, "--nnodes", min=1, metavar="N", help="Nodes (run the same command on each)."
+    ),
+    node_rank: int = typer.Option(
+        0, "--node-rank", min=0, metavar="N", help="This node's rank, 0..nnodes-1."
+    ),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr", metavar="HOST", help="Address of node 0."),
     master_port: int = typer.Option(
-        None, "--master-port", help="Rendezvous port on node 0 (default: a free port; 29500 multi-node)."
+        None,
+        "--master-port",
+        metavar="PORT",
+        help="Rendezvous port on node 0 (default: a free port; 29500 multi-node).",
     ),
 ) -> None:
-    """Train: build the models and run the recipe's dataflow every step."""
+    """Train: build the models and run the recipe's dataflow every step.
+
+    Examples:
+    areal train recipes/quickstart.yaml
+    areal train recipes/sft-quickstart.yaml trainer.max_steps=40 -o runs/sft-short
+    areal train recipes/quickstart.yaml --resume trainer.max_steps=300
+    areal train recipes/quickstart.yaml --dry-run
+    """
     resolved, src = load_recipe(recipe, overrides or [])
     problems = path_problems(resolved, recipe.resolve().parent)
     if problems:
@@ -61,6 +153,12 @@ def train(
         from arealcli.runtime.run.trainer import batch_size_problem
 
         raise fail([batch_size_problem(resolved.dataset.batch_size, dp)])
+    if dry_run:
+        return _dry_run(resolved, recipe, run_dir, resume, overwrite)
+    launch_flags = [f"--nproc-per-node={nproc_per_node}"] if nproc_per_node > 1 else []
+    if nnodes > 1:
+        launch_flags += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}"]
+    job = Invocation(recipe, overrides or [], run_dir, run_dir_for(resolved, None), launch_flags, resume)
     if node_rank == 0:  # the run directory is node 0's (shared with the other nodes)
         try:
             replaced = prepare_run_dir(run_dir, resume, overwrite)
@@ -68,11 +166,11 @@ def train(
         except UserError as e:
             raise fail(e.lines) from None
         if replaced:
-            console.print(replaced, highlight=False)
+            say(replaced)
         for note in notes:
             say_error(note, title="note")
     if world == 1:
-        return train_here(resolved, recipe, run_dir, resume)
+        return train_here(resolved, recipe, job, resume)
 
     from arealcli.runtime.run.launch import LaunchSpec, WorkerJob, launch
 
@@ -82,29 +180,74 @@ def train(
         if result.error is not None:
             say_error(result.error)
         else:
-            err_console.print("interrupted: the last complete checkpoint is kept; continue with --resume")
+            why = "terminated (SIGTERM)" if result.exit_code == 143 else "interrupted"
+            _say_stop(stop_message(why, job))
         raise typer.Exit(result.exit_code)
-    console.print(f"done: {result.global_step} steps on {world} processes; run directory {run_dir}")
+    say(f"done: {result.global_step} steps on {world} processes; run directory {run_dir}")
     if node_rank == 0:
         from arealcli.runtime.console.report import summary_lines
 
         header(console, summary_lines(run_dir))
 
 
-def train_here(resolved, recipe: Path, run_dir: Path, resume: bool) -> None:
+def train_here(resolved, recipe: Path, job: Invocation, resume: bool) -> None:
     from arealcli.runtime.console.report import summary_lines
     from arealcli.runtime.run.driver import Display, run
 
     def stopped(e: KeyboardInterrupt) -> None:
         why = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        err_console.print(f"{why}: the last complete checkpoint is kept; continue with --resume")
+        _say_stop(stop_message(why, job))
 
     display = Display(console, lambda note: say_error(note, title="note"))
     try:
-        result = run(resolved, recipe, run_dir, resume, display, StopSignals(), on_stop=stopped)
+        result = run(resolved, recipe, job.run_dir, resume, display, StopSignals(), on_stop=stopped)
     except KeyboardInterrupt as e:
         raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
     except UserError as e:
         raise fail(e.lines) from None
-    console.print(f"done: {result.global_step} steps; run directory {run_dir}", highlight=False)
-    header(console, summary_lines(run_dir, result.elapsed_s))
+    if result.finished_before:
+        say(
+            f"nothing to do: {job.run_dir} has already trained all {result.global_step} steps "
+            f"(its summary: areal report {shlex.quote(str(job.run_dir))}; to train longer, resume with "
+            f"a larger trainer.max_steps=N)"
+        )
+        return
+    steps = result.global_step - result.start_step
+    say(f"done: {steps} steps; run directory {job.run_dir}")
+    header(console, summary_lines(job.run_dir, result.elapsed_s, steps))
+
+
+def _dry_run(resolved, recipe: Path, run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """What `areal train` would do, without touching anything."""
+    if resume and overwrite:
+        raise fail(["--resume and --overwrite exclude each other"])
+    exists = run_dir.is_dir() and any(run_dir.iterdir())
+    if resume and not (run_dir / "checkpoints").is_dir():
+        raise fail([f"--resume: {run_dir} has no checkpoints to resume from"])
+    if resume and (run_dir / "recipe.yaml").is_file():
+        import yaml
+
+        from arealcli.schema.resume import differences, with_absolute_paths
+
+        saved = yaml.safe_load((run_dir / "recipe.yaml").read_text()) or {}
+        now = with_absolute_paths(resolved.model_dump(mode="json"), recipe.resolve().parent)
+        refused, allowed = differences(saved, now)
+        if refused:
+            raise fail(
+                [f"--resume: the recipe differs from the run's own in what it trains: {x}" for x in refused]
+            )
+        for line in allowed:
+            say_error(f"resuming would change a setting: {line}", title="note")
+    if exists and not resume:
+        ours = (run_dir / RUN_MARKER).is_file()
+        if not ours:
+            raise fail(
+                [f"{run_dir} already exists and was not created by `areal train`; nothing in it is touched"]
+            )
+        if has_results(run_dir) and not overwrite:
+            raise fail([f"run directory {run_dir} already exists. Use --resume, --overwrite or --output-dir"])
+    action = "resume" if resume else "replace" if exists else "create"
+    say(
+        f"dry run: would {action} {run_dir} and train {resolved.experiment} "
+        f"({len(resolved.models)} model(s), {len(resolved.dataflow.calls)} call(s)); nothing was written"
+    )

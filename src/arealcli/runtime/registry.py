@@ -30,6 +30,7 @@ __all__ = [
     "make_backend",
     "make_dataset",
     "get_reward",
+    "reward_is_binary",
     "make_workflow",
 ]
 
@@ -66,3 +67,8 @@ def make_workflow(spec: Abstraction):
 
 def get_reward(name: str):
     return REWARDS.get(name).load()
+
+
+def reward_is_binary(name: str) -> bool:
+    """Does the reward score every response 0 or 1 (so a mean of it is an accuracy)?"""
+    return REWARDS.get(name).binary

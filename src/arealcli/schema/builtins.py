@@ -22,6 +22,7 @@ from arealcli.schema.components.backends import (
 )
 from arealcli.schema.components.datasets import ChatArgs, PromptAnswerArgs
 from arealcli.schema.components.interfaces import (
+    RETURNS_OUTPUTS,
     PPOActorArgs,
     PPOCriticArgs,
     ReturnsArgs,
@@ -47,6 +48,7 @@ def _interface(
     language_model: bool = False,
     learns_from_rewards: bool = False,
     trains_on_dataset: bool = False,
+    train_inputs: Iterable[str] = (),
 ) -> None:
     INTERFACES.add(
         Entry(
@@ -62,6 +64,7 @@ def _interface(
             language_model=language_model,
             learns_from_rewards=learns_from_rewards,
             trains_on_dataset=trains_on_dataset,
+            train_inputs=frozenset(train_inputs),
         )
     )
 
@@ -83,6 +86,7 @@ _interface(
     ["generate", "inference", "train_step"],
     language_model=True,
     learns_from_rewards=True,
+    train_inputs=RETURNS_OUTPUTS,
 )
 _interface(
     "ppo_critic",
@@ -91,6 +95,7 @@ _interface(
     PPOCriticArgs.__doc__,
     ["inference", "train_step"],
     value_head=True,
+    train_inputs=RETURNS_OUTPUTS,
 )
 _interface(
     "returns",
@@ -118,7 +123,7 @@ for _name, _fn, _doc in [
     ),
     ("exact_match", "exact_match", "1 if the stripped response equals a stripped reference answer, else 0."),
 ]:
-    REWARDS.add(Entry(_name, f"{_R}.rewards.builtin:{_fn}", NoArgs, _doc, "builtin"))
+    REWARDS.add(Entry(_name, f"{_R}.rewards.builtin:{_fn}", NoArgs, _doc, "builtin", binary=True))
 
 TRAINING = frozenset({"train", "forward", "generate"})
 GENERATION = frozenset({"generate", "update_weights"})

@@ -89,3 +89,53 @@ def plan_problems(recipe: Recipe) -> list[tuple[Path_, str]]:
                 )
             )
     return out
+
+
+def placement_lines(recipe: Recipe) -> list[str]:
+    """Where each model computes: its scope (the training process, a thread of it, launched servers),
+    its cores and GPUs; then which models compute at the same time."""
+    from arealcli.schema.checks.placement import compact, model_sides
+
+    def ids(values: list[int] | None, unset: str) -> str:
+        return unset if values is None else compact(values)
+
+    lines = []
+    for name, spec in recipe.models.items():
+        if spec.base_of is not None:
+            lines.append(f"{name}: shares {spec.base_of}'s engine")
+            continue
+        args, kind = spec.backend.args, spec.backend.type_
+        scope = getattr(type(args), "placement_scope", None)
+        cpus, devices = getattr(args, "cpus", None), getattr(args, "devices", None)
+        where = f"cpus {ids(cpus, 'any')}, devices {ids(devices, 'default')}"
+        if scope == "process":
+            threads = f"{len(cpus)} torch thread(s)" if cpus else "torch threads follow the free cores"
+            lines.append(f"{name} ({kind}): the training process, {where}; {threads}")
+        elif scope == "thread":
+            n = args.generation_threads()
+            lines.append(
+                f"{name} ({kind}): a generation thread of the training process, {where}; "
+                f"{n or 'default'} torch thread(s)"
+            )
+        elif scope == "servers" and getattr(args, "addresses", None):
+            lines.append(f"{name} ({kind}): servers at {', '.join(args.addresses)} (placed where they run)")
+        elif scope == "servers":
+            servers = "; ".join(
+                f"server {i}: cpus {ids(args.server_cpus(i), 'any')}, devices "
+                f"{ids(args.server_devices(i), 'default')}"
+                for i in range(args.num_servers)
+            )
+            lines.append(f"{name} ({kind}): {args.num_servers} launched server process(es): {servers}")
+        else:
+            lines.append(f"{name} ({kind}): not placed (the backend takes no cpus/devices)")
+    sides = model_sides(recipe.dataflow.calls, recipe.rollout is not None)
+    if recipe.rollout is None:
+        lines.append("synchronous: models compute one after another and may share cores and GPUs")
+    else:
+        ahead = sorted(n for n, s in sides.items() if "rollout" in s)
+        behind = sorted(n for n, s in sides.items() if "training" in s)
+        lines.append(
+            f"concurrent: {', '.join(ahead) or '-'} (rollout side) beside {', '.join(behind) or '-'} "
+            "(training side): their cores and GPUs must differ"
+        )
+    return lines

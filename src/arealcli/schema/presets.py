@@ -5,15 +5,17 @@
       actor: {...}               # ppo_actor args (generation, clipping, normalization, ...)
       critic: {...}              # ppo_critic args (ppo only)
       reward: {reward_fn: math}  # reward interface args
-      shaping: {...}             # reward shaping + KL, given to both actor and critic
+      shaping: {...}             # reward shaping + KL (the returns call's; the actor's loss reads kl_in_reward)
       mb_spec: {...}             # micro-batch split of every call
       sft_warmup_steps: 0        # SFT on the actor's dataset answers before RL starts
 
 Models are taken by name: `actor` (trained), `ref` (optional: enables the reference KL), `critic`
 (ppo), `actor_gen` (optional: generates instead of `actor`, e.g. on SGLang servers or the `local`
-backend with `weights_from: actor`). With `actor: {use_decoupled_loss: true}` an `actor_prox` call
-recomputes the log-probs with the current policy before the update (decoupled PPO). Expansion works on raw recipe data, before validation, and keeps source
-positions so that an error in `actor:` points at that line.
+backend with `weights_from: actor`). The calls are named for what they do: `actor_gen` (samples),
+`reward` (scores), `ref_logprobs`, `prox_logprobs` (decoupled PPO: the current policy's log-probs
+before the update), `values` (the critic's), `returns` (rewards -> advantages and returns, once, with
+the one KL controller), `actor_train`, `critic_train`. Expansion works on raw recipe data, before
+validation, and keeps source positions so that an error in `actor:` points at that line.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_va
 
 from arealcli.schema.base import Name, StrictModel
 from arealcli.schema.components.engine import GenerationHyperparameters
-from arealcli.schema.components.interfaces import PPOCriticArgs
+from arealcli.schema.components.interfaces import RETURNS_OUTPUTS, PPOCriticArgs
 from arealcli.schema.problems import problems_from_validation_error
 from arealcli.schema.registry import dataset_keys, suggest
 from arealcli.schema.source import Located, Path_, mapping_at
@@ -46,7 +48,7 @@ SFT_INPUTS = ("packed_input_ids", "prompt_mask")
 GEN_OUT = ["packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "version", "version_last"]
 RETURNS_INPUTS = ("packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "rewards")
 TRAIN_INPUTS = (*RETURNS_INPUTS, "version", "version_last")
-RETURNS_OUT = ["advantages", "returns", "seq_scores", "kl_coef"]
+RETURNS_OUT = list(RETURNS_OUTPUTS)
 # `returns` args taken from the actor's block (and the critic's lambda for ppo's returns)
 RETURNS_FROM_ACTOR = ("shaping", "gae_lambda", "adaptive_kl_target", "adaptive_kl_horizon")
 
@@ -121,6 +123,10 @@ class _RL:
         actor = {**(df.get("actor") or {}), **shaping}
         if adv_norm is not None:
             actor.setdefault("adv_norm", adv_norm)
+        reward = df.get("reward")
+        reward_fn = reward.get("reward_fn") if isinstance(reward, dict) else None
+        if isinstance(reward_fn, str):  # held-out prompts are scored by the training reward unless said
+            actor.setdefault("eval_reward_fn", reward_fn)
         # episodes (a workflow): `loss_mask` marks the model's own tokens for the reward (its final answer),
         # the returns and the updates (tool output never trains)
         episode = ["loss_mask"] if actor.get("workflow") is not None else []
@@ -128,7 +134,7 @@ class _RL:
             df,
             models,
             actor,
-            critic={**(df.get("critic") or {}), **shaping} if critic else None,
+            critic=dict(df.get("critic") or {}) if critic else None,
             warmup=df.get("sft_warmup_steps") or 0,
             episode=episode,
             train_inputs=[*TRAIN_INPUTS, *episode],
@@ -174,20 +180,22 @@ def _logprobs(g: _RL, name: str, model: str, key: str) -> None:
 
 def _reference(g: _RL) -> None:
     if "ref" in g.models:
-        _logprobs(g, "ref_inf", "ref", "packed_ref_logprobs")
+        _logprobs(g, "ref_logprobs", "ref", "packed_ref_logprobs")
         g.returns_inputs.append("packed_ref_logprobs")
 
 
 def _proximal(g: _RL) -> None:
-    """Decoupled PPO: the proximal log-probs, of the current policy before the update."""
-    if g.actor.get("use_decoupled_loss") is True:
-        _logprobs(g, "actor_prox", "actor", "packed_prox_logprobs")
+    """Decoupled PPO: the proximal log-probs, of the current policy before the update (a forward pass
+    unless `prox_logp_method` approximates them)."""
+    method = g.actor.get("prox_logp_method", "recompute")
+    if g.actor.get("use_decoupled_loss") is True and method in ("recompute", "metrics"):
+        _logprobs(g, "prox_logprobs", "actor", "packed_prox_logprobs")
 
 
 def _values(g: _RL) -> None:
     if g.critic is not None:
         inputs, outputs = ["packed_input_ids"], ["values"]
-        g.add("critic", _call("critic_inf", "critic", "ppo_critic", g.critic, "inference", inputs, outputs))
+        g.add("critic", _call("values", "critic", "ppo_critic", g.critic, "inference", inputs, outputs))
         g.train_inputs.append("values")
         g.returns_inputs.append("values")
 
@@ -251,7 +259,9 @@ class PresetSpec(StrictModel):
     actor: dict[str, Any] | None = Field(None, description="ppo_actor args.")
     critic: dict[str, Any] | None = Field(None, description="ppo_critic args (ppo).")
     reward: dict[str, Any] | None = Field(None, description="reward interface args.")
-    shaping: dict[str, Any] | None = Field(None, description="Reward shaping + KL for actor and critic.")
+    shaping: dict[str, Any] | None = Field(
+        None, description="Reward shaping + KL (the returns call's, computed once for actor and critic)."
+    )
     mb_spec: dict[str, Any] | None = Field(None, description="Micro-batch split of every call.")
     sft_warmup_steps: NonNegativeInt = Field(0, le=1 << 30, description="SFT steps before RL.")
     model: Name = Field("default", description="The trained model (sft).")
@@ -320,7 +330,7 @@ def _alias(
         src.aliases[here + ("mb_spec",)] = ("dataflow", "mb_spec")
     if origin is not None:
         src.aliases[here + ("interface", "args")] = ("dataflow", origin)
-        if origin in ("actor", "critic") and "shaping" in df:
+        if origin == "actor" and "shaping" in df:
             src.aliases[here + ("interface", "args", "shaping")] = ("dataflow", "shaping")
     if call["name"] == "returns":  # its args came from the actor's block (and the critic's lambda)
         _alias_returns(src, df, here + ("interface", "args"))

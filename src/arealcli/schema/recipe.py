@@ -186,7 +186,7 @@ class TrainerSpec(StrictModel):
     wandb: WandbSpec | None = Field(None, description="Also log to Weights & Biases.")
     console_metrics: list[str] | None = Field(
         None,
-        description="Metric keys shown on the progress line (e.g. actor_train/reward, eval/actor_train/accuracy); "
+        description="Metric keys shown on the progress line (e.g. actor_train/reward, eval/accuracy); "
         "default: each training call's reward or loss and its held-out score.",
     )
 

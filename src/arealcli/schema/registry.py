@@ -54,6 +54,9 @@ class Entry:
     language_model: bool = False  # it runs its model as a language model: it must have no value head
     learns_from_rewards: bool = False  # its train_step learns from rewards (metrics: reward, accuracy)
     trains_on_dataset: bool = False  # its train_step fits the dataset's sequences (one per prompt)
+    train_inputs: frozenset[str] = frozenset()  # keys its train_step must be given (another call makes)
+    # Rewards only: every score is 0 or 1 (held-out: an accuracy; otherwise the mean reward).
+    binary: bool = False
 
     def load(self) -> Any:
         if isinstance(self.target, str):
@@ -259,10 +262,11 @@ def register_dataset(name: str, cls: type) -> type:
     return cls
 
 
-def register_reward(name: str, fn: Any) -> Any:
+def register_reward(name: str, fn: Any, binary: bool = False) -> Any:
     """Register a reward function `fn(prompts, responses, answers) -> list[float]` (one score per response;
-    `answers[i]` is the list of reference answers of response i's prompt)."""
-    REWARDS.add(Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?")))
+    `answers[i]` is the list of reference answers of response i's prompt). `binary`: every score is 0 or
+    1, so held-out evaluation reports it as `eval/accuracy` (else `eval/reward/<name>`, the mean)."""
+    REWARDS.add(Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?"), binary=binary))
     return fn
 
 

@@ -33,6 +33,10 @@ SAFE = (
     "models.*.backend.args.python",
     "models.*.backend.args.python_executable",
     "models.*.backend.args.num_threads",
+    "models.*.backend.args.cpus",  # placement: where it runs, not what it trains
+    "models.*.backend.args.cpus.*",
+    "models.*.backend.args.devices",
+    "models.*.backend.args.devices.*",
 )
 
 

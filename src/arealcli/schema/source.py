@@ -338,6 +338,10 @@ def apply_overrides(src: Located, overrides: list[str]) -> Located:
         except RecipeSourceError as e:
             errors.extend(e.messages)
             continue
+        preset = _preset_calls(src.data, path, text)
+        if preset:
+            errors.append(preset)
+            continue
         node: Any = src.data
         for depth, part in enumerate(path[:-1]):
             if isinstance(node, list) and isinstance(part, int):
@@ -366,6 +370,26 @@ def apply_overrides(src: Located, overrides: list[str]) -> Located:
     if errors:
         raise RecipeSourceError(errors)
     return src
+
+
+def _preset_calls(data: dict[str, Any], path: Path_, text: str) -> str | None:
+    """`dataflow.calls.N...` on a recipe whose dataflow is a preset: there are no calls to set yet."""
+    dataflow = data.get("dataflow")
+    if path[:2] != ("dataflow", "calls") or not isinstance(dataflow, dict) or "calls" in dataflow:
+        return None
+    if "preset" not in dataflow:
+        return None
+    rest, value = path[3:], text.partition("=")[2]
+    instead = (
+        f"write dataflow.mb_spec.{_dotted(rest[1:])}={value} (every call's micro-batches)"
+        if rest[:1] == ("mb_spec",) and len(rest) > 1
+        else "set the preset's blocks instead: dataflow.actor.*, dataflow.reward.*, dataflow.critic.*, "
+        "dataflow.shaping.*, dataflow.mb_spec.* (areal list dataflow)"
+    )
+    return (
+        f"override {text!r}: this recipe's dataflow is the preset {dataflow['preset']!r}, whose calls "
+        f"exist only once it is expanded; {instead}, or write the calls out (areal check --print shows them)"
+    )
 
 
 def mapping_at(data: dict[str, Any], key: str) -> dict[str, Any]:

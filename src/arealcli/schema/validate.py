@@ -24,6 +24,8 @@ from arealcli.schema.checks.models import (
     check_value_heads,
     check_weights_from,
 )
+from arealcli.schema.checks.packages import check_packages
+from arealcli.schema.checks.placement import check_placement
 from arealcli.schema.checks.recipe import check_chat_workflows, check_eval_dataset, check_imports
 from arealcli.schema.checks.rollout import check_rollout
 from arealcli.schema.paths import REPO_ID
@@ -45,7 +47,9 @@ GRAPH_CHECKS = (
     check_call_capabilities,
     check_followers_load_weights,
     check_rollout,
+    check_placement,
     check_eval_dataset,
+    check_packages,
 )
 
 

@@ -1,4 +1,5 @@
-"""The RL math as plain functions over tensors (`functional`): rewards, KL, GAE, normalization, losses.
+"""The RL math as plain functions over tensors (`functional`): rewards, KL, GAE, normalization, losses;
+per-token log-probs and entropy from hidden states, chunk by chunk of tokens (`logprobs`).
 
 Layer 0: imports nothing of `runtime`.
 """

@@ -29,6 +29,11 @@ class ModelBackend:
     # from `model.source` on demand; `model.module` is None unless another model is initialized from this
     # one, which needs it built anyway), so the trainer builds none for a server-backed model.
     builds_weights: bool = False
+    # As a follower (`weights_from`) in the training process: True when its engine copies a source's
+    # tensors in memory (`update_weights_in_memory`) instead of loading an HF export from disk, and
+    # `applies_adapters` when it takes a LoRA source's adapters apart (sent alone after the first update).
+    weights_in_memory: bool = False
+    applies_adapters: bool = False
 
     def __init__(self, args: Any):
         self.args = args
@@ -66,6 +71,10 @@ class ModelBackend:
         if not isinstance(model.module, Engine):
             raise NotImplementedError(f"backend {type(self).__name__} declares update_weights but lacks it")
         model.module.update_weights(path, version)
+
+    def update_weights_in_memory(self, model: Model, weights: Any, version: int) -> None:
+        """Copy another model's weights (`models.weights.WeightsInMemory`) into this one's."""
+        model.module.update_weights_in_memory(weights, version)
 
     def destroy(self, model: Model) -> None:
         """Release resources (processes, servers, GPU memory); safe to call twice."""

@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 
 from arealcli.runtime import distributed
+from arealcli.runtime.backends import packing
 from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.backends.hf import run_packed
 from arealcli.runtime.data.sample import SequenceSample
+from arealcli.runtime.engines.lm_output import LMOutput
 from arealcli.runtime.engines.train import TrainEngine, clip_and_step
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.models.lora import (
@@ -110,7 +112,7 @@ class FSDPEngine(TrainEngine):
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]  # same order everywhere
         self.reshard_after_forward = reshard_after_forward
 
-    def run_microbatch(self, mb: SequenceSample) -> torch.Tensor:
+    def run_microbatch(self, mb: SequenceSample) -> torch.Tensor | LMOutput:
         return run_packed(self.module, mb, self.device)
 
     def _pad_run(self) -> torch.Tensor:
@@ -244,7 +246,9 @@ class FSDPBackend(ModelBackend):
         if a.gradient_checkpointing and a.optimizer is not None:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(module, "config"):
-            module.config._attn_implementation = a.attn_implementation
+            module.config._attn_implementation = packing.attention_implementation(
+                a.attn_implementation, module.config
+            )
         architecture = type(module).__name__
         if a.lora is not None:
             module = with_lora(module, a.lora, model.seed)
@@ -256,7 +260,8 @@ class FSDPBackend(ModelBackend):
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=a.reshard_after_forward)
         # The model's outputs (logits, values) come back in fp32 for the losses. The root's parameters
         # (embeddings, head) stay gathered from forward to backward (torch's own default for the root);
-        # set explicitly, as `_gathered` relies on it.
+        # set explicitly, as the LM head's weight is used after the forward (`LMOutput`: the loss
+        # computes log-probs from the hidden states and this gathered weight, chunk by chunk).
         root_mp = MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, output_dtype=torch.float32
         )

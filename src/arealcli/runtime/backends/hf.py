@@ -14,8 +14,10 @@ from typing import Any
 import torch
 
 from arealcli.runtime import distributed
+from arealcli.runtime.backends import packing
 from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.data.sample import SequenceSample
+from arealcli.runtime.engines.lm_output import LMOutput
 from arealcli.runtime.engines.train import TrainEngine, average_gradients, clip_and_step
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.models.lora import ADAPTER_DIR, is_lora, with_lora
@@ -25,18 +27,81 @@ from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, OptimizerConfig
 
 
-def run_packed(module, mb: SequenceSample, device) -> torch.Tensor:
-    """Forward a micro-batch of packed sequences: pad to (B, T), run, re-pack the outputs.
+def run_packed(module, mb: SequenceSample, device, layout: str | None = None) -> torch.Tensor | LMOutput:
+    """Forward a micro-batch of packed sequences; outputs in packed order (sample 0's tokens, then 1's...).
 
-    Returns logits (tokens, vocab) for language models, values (tokens,) for value-head models.
+    Language models return an `LMOutput` (final hidden states and the LM head: no (tokens, vocab)
+    logits are computed here), or packed logits (tokens, vocab) when the head is not a plain linear
+    layer; value-head models return values (tokens,). `layout` (default: `choose_layout`): "packed"
+    puts several sequences in each row with per-sequence position ids (block-diagonal causal
+    attention, `backends.packing`), "padded" gives every sequence its own right-padded row.
     """
-    ids, mask = mb.padded("packed_input_ids", pad_value=0)  # (B, T), right-padded
-    ids, mask = ids.to(device), mask.to(device)
-    # No attention mask: with right padding the causal mask alone keeps every real token from seeing the
-    # pads after it (the pads' own outputs are dropped below), and SDPA keeps its fast causal kernel.
-    out = module(input_ids=ids)
+    lens = mb.seqlens["packed_input_ids"]
+    layout = layout or choose_layout(module, lens)
+    rows = packing.rows_of(lens, layout, packing.row_capacity(module, lens))
+    batch = packing.build_rows(mb.data["packed_input_ids"], lens, rows, with_positions=layout == "packed")
+    head = lm_head(module)
+    with capture_head_input(head) as captured:
+        kwargs: dict[str, Any] = {}
+        if packing.takes_position_ids(module):
+            kwargs["use_cache"] = False  # a KV cache would also turn off the packed-sequence mask
+        if batch.position_ids is not None:
+            kwargs["position_ids"] = batch.position_ids.to(device)
+            if packing.varlen_attention(module) == "sdpa" and batch.cu_seqlens:
+                kwargs[packing.CU_SEQLENS] = batch.cu_seqlens  # attention within each sequence
+        # No attention mask: with right padding the causal mask alone keeps every real token from seeing
+        # the pads after it (the pads' own outputs are dropped), and SDPA keeps its fast causal kernel.
+        # Packed rows: attention within each sequence (varlen), or transformers' block-diagonal causal
+        # mask from the position ids.
+        out = module(input_ids=batch.ids.to(device), **kwargs)
+    index = batch.index.to(device)  # packed token n sits at flat position index[n] of the (R, T) rows
+    if captured:
+        hidden, weight, bias = captured[0]  # hidden (R, T, H)
+        return LMOutput(hidden.flatten(0, 1)[index], weight, bias)
     out = out.logits if hasattr(out, "logits") else out
-    return out[mask]  # row-major: sample 0's tokens, then sample 1's, ... = the packed order
+    return out.flatten(0, 1)[index]
+
+
+def choose_layout(module, lens: list[int]) -> str:
+    """The rows' layout: packed for transformers models (their attention follows per-sequence position
+    ids); padded where that has no padding (sequences of one length: one batched attention call) and
+    for other modules (a value-head critic's decoder call takes no position ids)."""
+    return "packed" if packing.takes_position_ids(module) and len(set(lens)) > 1 else "padded"
+
+
+def lm_head(module) -> torch.nn.Linear | None:
+    """The output embedding when it is a plain linear layer whose output the model returns as is
+    (no logit scaling or soft-capping after it), else None."""
+    get = getattr(module, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not torch.nn.Linear:
+        return None
+    config = getattr(module, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            return None
+    return head
+
+
+@contextlib.contextmanager
+def capture_head_input(head: torch.nn.Module | None):
+    """While inside, `head`'s forward records its input (the final hidden states) with the weight and
+    bias it uses (FSDP: the gathered ones) in the yielded list, and computes on an empty slice of the
+    input instead: the model returns (B, 0, V) logits."""
+    captured: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    if head is None:
+        yield captured
+        return
+
+    def pre_hook(_module, args):
+        captured.append((args[0], _module.weight, _module.bias))
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(pre_hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
 class HFEngine(TrainEngine):
@@ -62,7 +127,7 @@ class HFEngine(TrainEngine):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
-    def run_microbatch(self, mb: SequenceSample) -> torch.Tensor:
+    def run_microbatch(self, mb: SequenceSample) -> torch.Tensor | LMOutput:
         return run_packed(self.module, mb, self.device)
 
     def begin_train_step(self, version_steps: int, lr_scale: float) -> float:
@@ -136,6 +201,12 @@ class HFEngine(TrainEngine):
 
         load_hf_weights(self.module, Path(path))
 
+    def weights_in_memory(self, adapters_apart: bool = False):
+        """This replica's weights under HF names, for a follower in this process (no copy)."""
+        from arealcli.runtime.models.weights import weights_in_memory
+
+        return weights_in_memory(self.module, adapters_apart)
+
 
 class HFBackend(ModelBackend):
     """The embedded transformers backend: one process, CPU or one GPU."""
@@ -158,7 +229,9 @@ class HFBackend(ModelBackend):
         elif a.gradient_checkpointing:
             module.gradient_checkpointing_enable()
         if hasattr(module, "config"):
-            module.config._attn_implementation = a.attn_implementation
+            module.config._attn_implementation = packing.attention_implementation(
+                a.attn_implementation, module.config
+            )
         if a.lora is not None:
             module = with_lora(module, a.lora, model.seed)
         module = module.to(device)

@@ -6,15 +6,23 @@ arrive together run as one generate call) and the same model runner, over a copy
 this process. A weight update aborts the samples in flight; they are continued on the new weights
 (`GroupGenerator`) and record both versions. With `rollout: {max_staleness: K}` the rollout producer
 generates on it while the trainer trains; without, `generate` calls wait for their samples.
+
+New weights come from the trained model in memory: its tensors are copied into this copy's (no files);
+a LoRA model's adapters are set up here at the first update and from then on only they are copied.
+With `cpus`, the generation thread runs on those cores, and so do the torch threads it starts (see
+runtime/run/threads.py for what a placement inside one process does not separate).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from typing import Any
 
 import torch
 
+from arealcli.errors import UserError
 from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.engines.inference import (
     EventLoopThread,
@@ -25,8 +33,66 @@ from arealcli.runtime.engines.inference import (
 from arealcli.runtime.generation.model_runner import ModelRunner
 from arealcli.runtime.generation.scheduler import Scheduler, Sequence
 from arealcli.runtime.models.model import FinetuneSpec, Model
+from arealcli.runtime.models.weights import WeightsInMemory
 from arealcli.runtime.wire.sglang import Completion, ProtocolError, parse_sampling
+from arealcli.schema.checks.placement import compact
 from arealcli.schema.components.backends import LocalBackendArgs
+
+
+class LocalRunner(ModelRunner):
+    """The model runner of the `local` backend: new weights from an HF export or from memory."""
+
+    def load_weights(self, source: str | WeightsInMemory) -> None:  # type: ignore[override]
+        if isinstance(source, str):
+            super().load_weights(source)
+        else:
+            copy_in(self, source)
+
+
+def copy_in(runner: ModelRunner, weights: WeightsInMemory) -> None:
+    """Copy `weights` into the runner's module (cast to its dtype and device); LoRA adapters are added
+    to the module at their first arrival (B = 0 until copied: the same function). Every name and shape
+    is checked before anything is copied: a mismatch leaves the weights as they were."""
+    module = runner.module
+    if weights.adapters and not any(".lora_" in k for k in module.state_dict()):
+        import copy
+
+        from peft import inject_adapter_in_model
+
+        config = copy.deepcopy(weights.lora_config)  # the trained model's own stays untouched
+        inject_adapter_in_model(config, module, adapter_name="default")
+        module.to(device=runner.device, dtype=runner.dtype).eval()
+    own = module.state_dict()
+    pairs = []
+    for name, value in {**(weights.full or {}), **(weights.adapters or {})}.items():
+        key = name if name in own else _base_layer_name(name)
+        if key not in own or own[key].shape != value.shape:
+            got = (
+                "no such weight"
+                if key not in own
+                else f"shape {tuple(value.shape)} != {tuple(own[key].shape)}"
+            )
+            raise ValueError(f"new weights do not fit the generation model: {name}: {got}")
+        pairs.append((own[key], value))
+    if weights.full is not None:
+        given = {k if k in own else _base_layer_name(k) for k in weights.full}
+        missing = [
+            k for k in own if k not in given and ".lora_" not in k and not k.endswith("lm_head.weight")
+        ]
+        if missing:
+            raise ValueError(f"new weights do not fit the generation model: missing {missing[:5]}")
+    copied: set[int] = set()  # a tied output layer is the embeddings' storage: copied once
+    with torch.no_grad():
+        for target, value in pairs:
+            if target.data_ptr() not in copied and target.data_ptr() != value.data_ptr():
+                target.copy_(value)
+                copied.add(target.data_ptr())
+
+
+def _base_layer_name(name: str) -> str:
+    """`x.q_proj.weight` -> `x.q_proj.base_layer.weight`: the base weight of a layer adapters wrap."""
+    stem, _, leaf = name.rpartition(".")
+    return f"{stem}.base_layer.{leaf}"
 
 
 class LocalGenerator(GroupGenerator):
@@ -94,11 +160,16 @@ class LocalEngine(InferenceEngine):
         super().__init__(generator, loop, name, version)
         self.scheduler = generator.scheduler
 
-    async def _update_weights(self, path: str, version: int) -> None:
-        # off the event loop: the update waits for the running batch to stop (its samples are aborted)
-        ok, message = await asyncio.to_thread(self.scheduler.update_weights, path, str(version), True)
+    async def _update_weights(self, path: str | WeightsInMemory, version: int) -> None:
+        # off the event loop: the update waits for the running batch to stop (its samples are aborted);
+        # the scheduler hands `path` to LocalRunner.load_weights as it is
+        ok, message = await asyncio.to_thread(self.scheduler.update_weights, path, str(version), True)  # type: ignore[arg-type]
         if not ok:
             raise GenerationServerError(message)
+
+    def update_weights_in_memory(self, weights: WeightsInMemory, version: int) -> None:
+        self.loop.run(self._update_weights(weights, version))
+        self.version = version
 
     def destroy(self) -> None:
         self.scheduler.stop()  # aborts what runs: the batch ends at its next decoding step
@@ -113,14 +184,28 @@ class LocalBackend(ModelBackend):
 
     Args = LocalBackendArgs
     capabilities = frozenset({"generate", "update_weights"})
+    weights_in_memory = True
+    applies_adapters = True
 
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         a: LocalBackendArgs = self.args
-        runner = ModelRunner.in_memory(model.module, model.tokenizer, model.name, a.device, a.dtype)
+        device: str = a.device
+        if a.devices and device != "cpu" and torch.cuda.is_available():
+            device = f"cuda:{a.devices[0]}"  # its GPU among the visible ones
+        runner = LocalRunner.in_memory(model.module, model.tokenizer, model.name, device, a.dtype)
+        started = threading.Event()
+        failed: list[OSError] = []
 
-        def thread_setup() -> None:  # torch's thread count is per calling thread
-            if a.num_threads:
-                torch.set_num_threads(a.num_threads)
+        def thread_setup() -> None:  # placement and torch's thread count are per calling thread
+            try:
+                if a.cpus:  # Linux: this thread alone, and the threads it starts from now on
+                    os.sched_setaffinity(0, set(a.cpus))
+            except OSError as e:
+                failed.append(e)
+            finally:
+                started.set()
+            if a.generation_threads():
+                torch.set_num_threads(a.generation_threads())
 
         scheduler = Scheduler(
             runner,
@@ -130,6 +215,13 @@ class LocalBackend(ModelBackend):
             on_thread_start=thread_setup,
         )
         scheduler.start()
+        started.wait()
+        if failed:
+            scheduler.stop()
+            raise UserError(
+                f"model {model.name}: cannot run its generation thread on cores {compact(a.cpus or [])}: "
+                f"{failed[0].strerror}"
+            )
         model.module = LocalEngine(
             LocalGenerator(runner, scheduler), EventLoopThread(), model.name, model.version.global_step
         )

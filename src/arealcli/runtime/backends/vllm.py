@@ -23,7 +23,8 @@ from arealcli.runtime.clients.vllm import VLLMClient
 from arealcli.runtime.engines.inference import EventLoopThread, InferenceEngine
 from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.models.weights import export_hf
-from arealcli.schema.components.backends import VLLMBackendArgs
+from arealcli.schema.checks.placement import compact
+from arealcli.schema.components.backends import VLLMBackendArgs, share
 
 PYTHON_ENV = "AREALCLI_VLLM_PYTHON"
 
@@ -71,9 +72,15 @@ def server_command(args: VLLMBackendArgs, python: str, model_path: str, port: in
 
 def server_env(args: VLLMBackendArgs, index: int) -> dict[str, str]:
     """Dev endpoints on (weight updates); with several servers, server i gets GPUs i*tp ... (i+1)*tp-1
-    of those visible."""
+    of those visible (with `devices`, the launcher gives it its share instead). With `cpus`, vLLM's CPU
+    workers bind their OpenMP threads to the server's share (one part per tensor-parallel rank) instead
+    of choosing cores themselves."""
     env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if args.num_servers > 1:
+    cpus = args.server_cpus(index)
+    if cpus:
+        tp = args.tensor_parallel_size
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(compact(share(cpus, r, tp)) for r in range(tp))
+    if args.num_servers > 1 and args.devices is None:
         tp = args.tensor_parallel_size
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(args.num_servers * tp)]

@@ -4,6 +4,11 @@
 i*tp_size ... via --base-gpu-id); `launch: embedded` runs `areal serve` (this package, CPU or GPU).
 Each server logs to `<log_dir>/<name>-<i>.log`, runs in its own process group (Ctrl-C reaches the
 trainer, which stops them), and gets SIGTERM if the trainer process dies (Linux).
+
+Placement: with `cpus`, server i runs on its share of them (its CPU affinity, set in the child before
+the server program starts; an embedded server also takes one torch thread per core); without, on the
+cores the trainer had before its own placement pinned it. With `devices`, it sees only its share of the
+GPUs (CUDA_VISIBLE_DEVICES, ids counted among the GPUs visible here).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import IO
 
 import httpx
 
+from arealcli.schema.checks.placement import UNPLACED_CPUS_ENV, parse_ids
 from arealcli.schema.components.backends import SGLangBackendArgs, VLLMBackendArgs
 from arealcli.schema.components.engine import MAX_SAMPLES_PER_PROMPT
 
@@ -75,7 +81,7 @@ def server_command(args: SGLangBackendArgs, model_path: str, port: int, index: i
             "--tp-size",
             str(args.tp_size),
             "--base-gpu-id",
-            str(index * args.tp_size),
+            str(0 if args.devices is not None else index * args.tp_size),  # placed: it sees its own only
             "--skip-tokenizer-init",
             "--dtype",
             args.dtype,
@@ -89,6 +95,9 @@ def server_command(args: SGLangBackendArgs, model_path: str, port: int, index: i
         cmd += ["--port", str(port), "--device", args.device]
         cmd += ["--dtype", "float32" if args.dtype == "auto" else args.dtype]
         cmd += ["--max-n", str(MAX_SAMPLES_PER_PROMPT)]  # a recipe's generation.n is bounded already
+        cpus = args.server_cpus(index)
+        if cpus:
+            cmd += ["--num-threads", str(len(cpus))]
     return cmd + list(args.extra_args)
 
 
@@ -105,6 +114,40 @@ def _die_with_parent() -> None:
     """Runs in the child between fork and exec (so: no imports, no locks): SIGTERM when the parent dies."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, _SIGTERM)
+
+
+def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
+    """What runs in a server's child process before exec: die with the parent, run on `cpus`."""
+
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # the child has one thread: this is the process's mask
+
+    return setup
+
+
+def visible_devices(devices: list[int]) -> str:
+    """CUDA_VISIBLE_DEVICES for GPUs given as indices among those visible to this process."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in visible.split(",")] if visible else None
+    if ids is not None and max(devices) >= len(ids):
+        raise LaunchError(
+            f"devices {devices}: only {len(ids)} GPU(s) visible (CUDA_VISIBLE_DEVICES={visible})"
+        )
+    return ",".join(ids[d] if ids is not None else str(d) for d in devices)
+
+
+def check_cpus(cpus: list[int]) -> None:
+    """Refuse cores this process cannot run on (before its own placement) before a server starts on them."""
+    unplaced = os.environ.get(UNPLACED_CPUS_ENV)
+    if unplaced:
+        allowed = parse_ids(unplaced)
+    else:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(cpus)
+    if not set(cpus) <= allowed:
+        missing = sorted(set(cpus) - allowed)
+        raise LaunchError(f"cpus {missing} are not available here: this process may run on {sorted(allowed)}")
 
 
 def launch(
@@ -128,7 +171,15 @@ def launch(
         else:
             assert isinstance(args, SGLangBackendArgs)
             cmd = server_command(args, model_path, port, i)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env(i) if extra_env is not None else {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        cpus, devices = args.server_cpus(i), args.server_devices(i)
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible_devices(devices)
+        env.update(extra_env(i) if extra_env is not None else {})
+        if cpus:
+            check_cpus(cpus)
+        elif os.environ.get(UNPLACED_CPUS_ENV):  # not the trainer's cores it was started from
+            cpus = sorted(parse_ids(os.environ[UNPLACED_CPUS_ENV]))
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         log.flush()
         try:
@@ -139,7 +190,7 @@ def launch(
                 stdin=subprocess.DEVNULL,
                 env=env,
                 start_new_session=True,  # own process group: Ctrl-C reaches the trainer, which stops us
-                preexec_fn=_die_with_parent,
+                preexec_fn=_child_setup(set(cpus) if cpus else None),
             )
         except OSError as e:
             log.close()

@@ -66,17 +66,24 @@ def _panels(runs: list[tuple[Path, list[dict]]]) -> list[tuple[str, list[str]]]:
     return out
 
 
-def summary_lines(run_dir: Path, elapsed_s: float | None = None) -> list[tuple[str, str]]:
-    """(label, text) lines: held-out scores (final and best), reward trend, speed, checkpoint, report."""
-    from arealcli.runtime.console.progress import clock
+def summary_lines(
+    run_dir: Path, elapsed_s: float | None = None, session_steps: int | None = None
+) -> list[tuple[str, str]]:
+    """(label, text) lines: this session's time, held-out scores (final and best), reward trend, speed,
+    checkpoint, report. `elapsed_s` and `session_steps` are what this process trained (a resumed run
+    counts only its own steps; the run total follows)."""
+    from arealcli.runtime.console.text import clock
 
     rows = read_metrics(run_dir)
     out: list[tuple[str, str]] = []
     steps = [r["step"] for r in rows]
-    if steps and elapsed_s:
-        out.append(
-            ("time", f"{clock(elapsed_s)} for {max(steps)} steps ({max(steps) / elapsed_s:.2f} steps/s)")
-        )
+    total = max(steps) if steps else 0
+    done = total if session_steps is None else session_steps
+    if elapsed_s and done:
+        speed = f"{done / elapsed_s:.2f} steps/s" if done >= elapsed_s else f"{elapsed_s / done:.2f} s/step"
+        this = "" if done == total else " this session"
+        run_total = "" if done == total else f"; run total {total}"
+        out.append(("time", f"{done} steps in {clock(elapsed_s)}{this} ({speed}){run_total}"))
     for key in sorted({k for r in rows for k in r if k.startswith("eval/") and not k.endswith("/ppl")}):
         xs, ys = series(rows, key)
         if not ys:

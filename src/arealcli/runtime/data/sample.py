@@ -4,9 +4,10 @@ A `SequenceSample` holds B samples. For every key, the entries of all samples ar
 dim 0 (`data[key]`, e.g. `packed_input_ids` of shape (sum_i L_i,)), and `seqlens[key][i]` is the length
 of sample i's entry. Per-sample Python objects (answer strings, group ids, versions) live in `meta`.
 
-Micro-batches are built by `split(MicroBatchSpec)`: samples are packed into bins under a token budget
-(first-fit-decreasing; `n_mbs` is a lower bound on the number of bins), and `reorder` undoes the
-permutation so outputs come back in the original sample order.
+Micro-batches are built by `split(MicroBatchSpec)`: samples are spread over bins of balanced token
+counts under a token budget (`pack_bins`: as many bins as first-fit-decreasing needs, at least `n_mbs`,
+filled longest-first into the lightest bin), and `reorder` undoes the permutation so outputs come back
+in the original sample order.
 """
 
 from __future__ import annotations
@@ -173,44 +174,52 @@ class SequenceSample:
 
 
 def pack_bins(sizes: list[int], min_bins: int, budget: int | None) -> list[list[int]]:
-    """Group item indices into bins.
+    """Group item indices into bins of balanced loads.
 
-    With a budget: first-fit-decreasing (largest first, into the first bin with room); an item larger
-    than the budget gets a bin of its own. If that gives fewer than `min_bins` bins, balance the items
-    over `min_bins` bins instead (largest first into the lightest bin), adding bins until every bin
-    respects the budget. Bins never empty; indices inside a bin keep their original order.
+    The number of bins k is the larger of `min_bins` and the number first-fit-decreasing needs under
+    the budget (largest first, into the first bin with room; an item larger than the budget gets a bin
+    of its own). The items are then spread over k bins longest-first, each into the lightest bin (ties:
+    the bin with fewer items, then the first), and k grows until every bin respects the budget (or holds
+    a single item). So the bins' loads differ by at most the largest item, and with one bin per item at
+    worst. Bins never empty; indices inside a bin keep their original order; bins are ordered by their
+    first index.
     """
     n = len(sizes)
     if n == 0:
         return []
-    min_bins = min(min_bins, n)
     order = sorted(range(n), key=lambda i: (-sizes[i], i))
-    bins: list[list[int]] = []
-    if budget is not None:
-        loads: list[int] = []
-        for i in order:
-            for b, load in enumerate(loads):
-                if load + sizes[i] <= budget:
-                    bins[b].append(i)
-                    loads[b] += sizes[i]
-                    break
-            else:
-                bins.append([i])
-                loads.append(sizes[i])
-    if len(bins) < min_bins:
-        k = min_bins
-        while True:
-            bins = [[] for _ in range(k)]
-            loads = [0] * k
-            for i in order:
-                b = min(range(k), key=lambda j: (loads[j], len(bins[j]), j))  # empty bins first
-                bins[b].append(i)
-                loads[b] += sizes[i]
-            fits = budget is None or all(
-                load <= budget or len(b) == 1 for b, load in zip(bins, loads, strict=True)
-            )
-            if fits or k == n:
-                break
-            k += 1
+    k = max(min(min_bins, n), first_fit_decreasing_count(sizes, order, budget))
+    while True:
+        bins = balanced_bins(sizes, order, k)
+        fits = budget is None or all(sum(sizes[i] for i in b) <= budget or len(b) == 1 for b in bins)
+        if fits or k == n:
+            break
+        k += 1
     bins = [sorted(b) for b in bins if b]
     return sorted(bins, key=lambda b: b[0])
+
+
+def first_fit_decreasing_count(sizes: list[int], order: list[int], budget: int | None) -> int:
+    """Bins first-fit-decreasing fills under `budget` (`order`: largest first); 1 without a budget."""
+    if budget is None:
+        return 1
+    loads: list[int] = []
+    for i in order:
+        for b, load in enumerate(loads):
+            if load + sizes[i] <= budget:
+                loads[b] += sizes[i]
+                break
+        else:
+            loads.append(sizes[i])
+    return len(loads)
+
+
+def balanced_bins(sizes: list[int], order: list[int], k: int) -> list[list[int]]:
+    """Longest-first greedy partition into k bins: each item (in `order`) into the lightest bin."""
+    bins: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in order:
+        b = min(range(k), key=lambda j: (loads[j], len(bins[j]), j))  # empty bins first
+        bins[b].append(i)
+        loads[b] += sizes[i]
+    return bins

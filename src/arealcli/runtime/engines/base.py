@@ -25,6 +25,16 @@ class Engine:
         another (`weights_from`) get this after every step that trained their source."""
         raise NotImplementedError(f"{type(self).__name__} cannot load new weights in place")
 
+    def weights_in_memory(self, adapters_apart: bool = False) -> Any:
+        """This engine's weights for a follower in the same process (`models.weights.WeightsInMemory`),
+        or None where they are not whole in this process (sharded, on a server): then they go through an
+        HF export on disk."""
+        return None
+
+    def update_weights_in_memory(self, weights: Any, version: int) -> None:
+        """Copy a `WeightsInMemory` of another model into this one's weights (policy `version`)."""
+        raise NotImplementedError(f"{type(self).__name__} takes new weights from disk only")
+
     def destroy(self) -> None:
         """Release processes, servers, threads and device memory."""
 

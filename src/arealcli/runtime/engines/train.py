@@ -17,6 +17,11 @@ and gets, written once here: `train_batch` (loss-weighted gradient accumulation,
 token normalization), `forward` (post-hook per micro-batch, results back in input order), `eval_batch`
 and `generate`, with one cross-rank reduction of the statistics for all of them.
 
+Outputs. A language model's micro-batch outputs are an `LMOutput` (hidden states and the LM head: the
+loss computes per-token log-probs and entropy chunk by chunk, never the (tokens, vocab) logits), or its
+packed logits (tokens, vocab); a value-head model's are values (tokens,). A loss function or post-hook
+marked `@takes_lm_output` gets an `LMOutput`, any other one packed logits (`engines.lm_output`).
+
 Loss weighting. Micro-batch i's loss is weighted by w_i / W, with w_i = `loss_weight_fn(mb_i)` and W
 the sum of the weights of every micro-batch of this rank ("dp") or of every data-parallel rank
 ("global"). Every backend averages gradients over the data-parallel ranks, so with "global" the
@@ -35,15 +40,18 @@ import torch.distributed as dist
 
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.base import Engine
+from arealcli.runtime.engines.lm_output import LMOutput, outputs_for
 from arealcli.runtime.generation.sampling import GenerationResult, StopTexts, stop_texts_of
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
-# loss_fn(outputs, mb) -> (scalar loss, {stat: scalar tensor}); outputs are packed logits (tokens, vocab)
-# or values (tokens,) for value-head models.
-LossFn = Callable[[torch.Tensor, SequenceSample], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+# loss_fn(outputs, mb) -> (scalar loss, {stat: scalar tensor}); outputs are packed logits (tokens, vocab),
+# an LMOutput for functions marked `@takes_lm_output`, or values (tokens,) for value-head models.
+LossFn = Callable[[Any, SequenceSample], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 LossWeightFn = Callable[[SequenceSample], float]
+# What a backend's forward of one micro-batch returns: an LMOutput, logits (tokens, V) or values (tokens,)
+Outputs = torch.Tensor | LMOutput
 # on_output(mb, outputs) -> the loss to backpropagate (training), or None
-OnOutput = Callable[[SequenceSample, torch.Tensor], torch.Tensor | None]
+OnOutput = Callable[[SequenceSample, Outputs], torch.Tensor | None]
 
 
 def group_size(group=None) -> int:
@@ -59,7 +67,7 @@ class TrainEngine(Engine):
 
     # ------------------------------------------------------------------ primitives
 
-    def run_microbatch(self, mb: SequenceSample) -> torch.Tensor:
+    def run_microbatch(self, mb: SequenceSample) -> Outputs:
         """Outputs of one micro-batch (engines without pipeline stages)."""
         raise NotImplementedError
 
@@ -203,10 +211,10 @@ class TrainEngine(Engine):
         loss_sum = 0.0
         sums: dict[str, float] = {}
 
-        def weighted_loss(mb: SequenceSample, outputs: torch.Tensor) -> torch.Tensor:
+        def weighted_loss(mb: SequenceSample, outputs: Outputs) -> torch.Tensor:
             nonlocal loss_sum
             w = weight_of[id(mb)]
-            loss, mb_stats = _loss_and_stats(loss_fn(outputs, mb))
+            loss, mb_stats = _loss_and_stats(loss_fn(outputs_for(loss_fn, outputs), mb))
             loss_sum += float(loss.detach()) * w
             for k, v in mb_stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -267,8 +275,8 @@ class TrainEngine(Engine):
         self.eval_mode()
         sums: dict[str, float] = {}
 
-        def record(mb: SequenceSample, outputs: torch.Tensor) -> None:
-            loss, mb_stats = _loss_and_stats(loss_fn(outputs, mb))
+        def record(mb: SequenceSample, outputs: Outputs) -> None:
+            loss, mb_stats = _loss_and_stats(loss_fn(outputs_for(loss_fn, outputs), mb))
             for k, v in {"loss": loss, **mb_stats}.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * mb.bs
 
@@ -286,22 +294,24 @@ class TrainEngine(Engine):
         self,
         input_: SequenceSample,
         mb_spec: MicroBatchSpec,
-        post_hook: Callable[[torch.Tensor, SequenceSample], Any] | None = None,
+        post_hook: Callable[[Any, SequenceSample], Any] | None = None,
         aggregate_fn: Callable[[list[Any]], Any] = torch.cat,
     ) -> Any:
         """Run every micro-batch; per-sample results come back in the input's order, on every rank.
 
         `post_hook(outputs, mb)` maps a micro-batch's packed outputs to one tensor per sample (a list)
-        or to a packed tensor split like `packed_input_ids`; without it the outputs themselves are
-        split. With pipeline stages the results travel from the last stage: keep them small.
+        or to a packed tensor split like `packed_input_ids`; without it the outputs themselves (packed
+        logits or values) are split. With pipeline stages the results travel from the last stage: keep
+        them small.
         """
         self.check_batch(input_, "packed_input_ids")
         self.eval_mode()
         mbs, _, backward = input_.split(mb_spec)
         per_sample: list[Any] = []
 
-        def record(mb: SequenceSample, outputs: torch.Tensor) -> None:
-            res = post_hook(outputs, mb) if post_hook is not None else outputs
+        def record(mb: SequenceSample, outputs: Outputs) -> None:
+            res = post_hook(outputs_for(post_hook, outputs), mb) if post_hook is not None else outputs
+            res = res.logits if isinstance(res, LMOutput) else res
             if isinstance(res, torch.Tensor):
                 res = list(torch.split(res, mb.seqlens["packed_input_ids"]))
             per_sample.extend(res)

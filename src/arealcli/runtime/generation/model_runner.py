@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from arealcli.runtime.generation import decoder as lean_decoder
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.models.model import DTYPES
 from arealcli.runtime.models.weights import load_hf_weights
@@ -91,6 +92,26 @@ class ModelRunner:
     def token_texts(self, ids: list[int]) -> list[str] | None:
         return None if self.tokenizer is None else [self.tokenizer.decode([t]) for t in ids]
 
+    def autocast(self):
+        """The autocast context generation runs in (reduced precision on CUDA only)."""
+        if self.dtype != torch.float32 and self.device.type == "cuda":
+            return torch.autocast(self.device.type, dtype=self.dtype)
+        return torch.autocast(self.device.type, enabled=False)
+
+    def stop_ids(self, sampling: Sampling) -> set[int]:
+        """The tokens that end a sample: the model's end tokens (unless ignore_eos) and stop_token_ids."""
+        return (set() if sampling.ignore_eos else self.eos_ids) | set(sampling.stop_token_ids)
+
+    def row_decoder(self) -> lean_decoder.RowDecoder | None:
+        """A KV cache for continuous batching, or None when the module has no lean decoder (then batches
+        run whole, through `generate`)."""
+        if not lean_decoder.supports(self.module):
+            return None
+        dtype = next(self.module.parameters()).dtype
+        if self.dtype != torch.float32 and self.device.type == "cuda":
+            dtype = self.dtype
+        return lean_decoder.RowDecoder(self.module, self.device, dtype)
+
     @torch.no_grad()
     def generate(
         self,
@@ -102,11 +123,6 @@ class ModelRunner:
         """Sample up to `max_new_tokens` for every prompt with the same params; stops early on abort."""
         eos = set() if sampling.ignore_eos else self.eos_ids
         g = sampling.hyperparameters(max_new_tokens)
-        autocast = (
-            torch.autocast(self.device.type, dtype=self.dtype)
-            if self.dtype != torch.float32 and self.device.type == "cuda"
-            else torch.autocast(self.device.type, enabled=False)
-        )
         texts = None
         if sampling.stop:
             if self.tokenizer is None:
@@ -114,7 +130,7 @@ class ModelRunner:
                     f"{self.model_path} has no tokenizer: stop texts need one (use stop_token_ids)"
                 )
             texts = generation.StopTexts(sampling.stop, self.decode)
-        with autocast:
+        with self.autocast():
             res = generation.generate(
                 self.module,
                 prompts,
@@ -125,7 +141,7 @@ class ModelRunner:
                 should_abort=should_abort,
                 stop_texts=texts,
             )
-        stop = eos | set(sampling.stop_token_ids)
+        stop = self.stop_ids(sampling)
 
         def stopped_by(ids: list[int], trunc: bool) -> int | str | None:
             if trunc or not ids:

@@ -1,9 +1,22 @@
-"""The batching loop of `areal serve`: requests that arrive together run as one generate call.
+"""The batching loop of `areal serve` (and of the `local` backend): requests that arrive together are
+generated together.
 
-One thread takes whatever is queued, keeps collecting while more arrive (each within `batch_window_s`
-of the previous one, for at most 10 windows), and generates them together (grouped by sampling params). Weight updates follow SGLang: with `abort_all_requests` every queued and
-running sample is aborted first (it returns finish_reason "abort" with the tokens generated so far);
-otherwise the update waits for the running batch to finish. No batch starts while an update is pending.
+Continuous batching (`continuous=True`, as `areal serve` runs it, on Qwen2/Llama-family modules, through
+`RunningBatch`): one thread keeps a batch of samples running; between two decoding steps, requests queued
+since join it (their prompts prefilled in one forward pass) and finished samples leave, so a request never
+waits for another's batch to end. When nothing runs, the first batch is collected while requests keep
+arriving (each within `batch_window_s` of the previous one, for at most 10 windows); while a batch runs,
+queued requests join it at the first step after the oldest has waited `batch_window_s` (or at once when
+they fill the batch). Otherwise (the `local` backend, whose samples must draw the random numbers the
+trainer's own `generate` draws; LoRA layers; other families) each collected batch runs whole, as one
+generate call per sampling params.
+
+Weight updates follow SGLang: with `abort_all_requests` every queued and running sample is aborted first
+(it returns finish_reason "abort" with the tokens generated so far); otherwise the update waits until the
+running samples finish. No sample starts while an update is pending.
+
+`stats`: batches (prefills: groups of prompts that joined together), steps (decoding steps), forwards
+(model forward passes: batches + steps), samples, tokens, max_running (most samples in one step).
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from arealcli.runtime.generation.running_batch import RunningBatch
 from arealcli.runtime.wire.sglang import Sampling, finish_abort, finish_length, finish_stop
 
 
@@ -34,6 +48,7 @@ class Sequence:
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
     on_done: Callable[[], object] | None = None  # called (from the scheduler's thread) once done
+    queued_at: float = 0.0  # time.monotonic() when submitted
 
     @property
     def finished_as(self) -> dict[str, Any]:
@@ -57,6 +72,8 @@ class Sequence:
 
 
 class Scheduler:
+    """The queue of samples to generate, and the thread that generates them."""
+
     def __init__(
         self,
         runner,
@@ -64,9 +81,13 @@ class Scheduler:
         max_batch_size: int = 256,
         weight_version="default",
         on_thread_start: Callable[[], None] | None = None,
+        continuous: bool = False,
     ):
         self.runner = runner
         self.on_thread_start = on_thread_start  # e.g. torch threads of the batching thread
+        # continuous batching where the module allows it; otherwise every collected batch runs whole,
+        # drawing its random numbers exactly as `sampling.generate` does for that batch
+        self.continuous = continuous
         self.batch_window_s = batch_window_s
         self.max_batch_size = max_batch_size
         self.weight_version = weight_version
@@ -80,7 +101,7 @@ class Scheduler:
         self._update_lock = threading.Lock()
         self.forward_sleep_s = 0.0  # SGLang's /slow_down: sleep before every decode step (tests)
         self._thread = threading.Thread(target=self._loop, name="batching-loop", daemon=True)
-        self.stats = {"batches": 0, "samples": 0, "tokens": 0}
+        self.stats = {"batches": 0, "steps": 0, "forwards": 0, "samples": 0, "tokens": 0, "max_running": 0}
 
     def start(self) -> None:
         self._thread.start()
@@ -102,6 +123,9 @@ class Scheduler:
         with self._cv:
             if self._stopped:
                 raise RuntimeError("the server is shutting down")
+            now = time.monotonic()
+            for s in seqs:
+                s.queued_at = now
             self._queue.extend(seqs)
             self._cv.notify_all()
 
@@ -167,9 +191,27 @@ class Scheduler:
             if self._queue and not self._updating:
                 return [self._queue.popleft() for _ in range(min(len(self._queue), self.max_batch_size))]
 
+    def _admit(self, running: int) -> list[Sequence] | None:
+        """Called with the condition held, `running` samples running: the samples to add now (maybe none;
+        with nothing running, waits for a batch), or None once stopped."""
+        if not running:
+            return self._take_batch()
+        if self._stopped:
+            return None
+        room = self.max_batch_size - running
+        if self._updating or not self._queue or room <= 0:
+            return []
+        if len(self._queue) < room and time.monotonic() - self._queue[0].queued_at < self.batch_window_s:
+            return []  # let more arrive: every join costs a forward pass
+        return [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+
     def _loop(self) -> None:
         if self.on_thread_start is not None:
             self.on_thread_start()
+        decoder = self.runner.row_decoder() if self.continuous else None
+        if decoder is not None:
+            self._continuous(RunningBatch(self.runner, decoder))
+            return
         while True:
             with self._cv:
                 batch = self._take_batch()
@@ -189,11 +231,81 @@ class Scheduler:
                     self._running = False
                     self._cv.notify_all()
 
+    def _continuous(self, batch: RunningBatch) -> None:
+        """Step the running batch; samples join between steps and leave when done (see the module doc)."""
+        epoch = self._abort_epoch
+        while True:
+            with self._cv:
+                aborted, epoch = self._abort_epoch != epoch, self._abort_epoch
+                message = self._abort_message
+            if aborted:  # the running samples end with what they have
+                self._abort_rows(batch, message)
+            with self._cv:
+                if not len(batch):  # idle: a waiting weight update may go ahead
+                    self._running = False
+                    self._cv.notify_all()
+                new = self._admit(len(batch))
+                self._running = True
+            if new is None:  # stopped
+                self._abort_rows(batch, self._abort_message)
+                return
+            try:
+                self._step(batch, new)
+            except Exception as e:  # the samples get an error; the loop goes on
+                traceback.print_exc()
+                for row in batch.clear():
+                    row.seq.fail(f"{type(e).__name__}: {e}")
+                for s in new:
+                    if not s.done.is_set():
+                        s.fail(f"{type(e).__name__}: {e}")
+            finally:
+                with self._cv:
+                    self._running = len(batch) > 0
+                    self._cv.notify_all()
+
+    def _abort_rows(self, batch: RunningBatch, message: str) -> None:
+        for row in batch.clear():
+            row.seq.complete(finish_abort(message), row.ids, row.logprobs, self.weight_version)
+
+    def _step(self, batch: RunningBatch, new: list[Sequence]) -> None:
+        """Add `new` to the batch (one prefill), sample every row's next token, finish what is done, and
+        run the next decoding step for the rest."""
+        if self.forward_sleep_s:
+            time.sleep(self.forward_sleep_s)
+        join = []
+        for s in new:
+            if s.max_new_tokens == 0:
+                s.complete(finish_length(s.sampling.max_new_tokens), version=self.weight_version)
+            elif s.sampling.stop and self.runner.tokenizer is None:
+                s.fail(f"{self.runner.model_path} has no tokenizer: stop texts need one (use stop_token_ids)")
+            else:
+                join.append(s)
+        if join:
+            batch.add(join)
+            self.stats["batches"] += 1
+            self.stats["forwards"] += 1
+        if not len(batch):
+            return
+        self.stats["max_running"] = max(self.stats["max_running"], len(batch))
+        for row, finish in batch.sample():
+            self.stats["samples"] += 1
+            self.stats["tokens"] += len(row.ids)
+            row.seq.complete(finish, row.ids, row.logprobs, self.weight_version)
+        if len(batch):
+            batch.forward()
+            self.stats["steps"] += 1
+            self.stats["forwards"] += 1
+
     def _run(self, batch: list[Sequence], epoch: int) -> None:
         def aborted() -> bool:  # polled before every decode step
             if self.forward_sleep_s:
                 time.sleep(self.forward_sleep_s)
             return self._abort_epoch != epoch
+
+        def step() -> bool:  # polled by `generate` before every decoding step
+            self.stats["steps"] += 1
+            self.stats["forwards"] += 1
+            return aborted()
 
         version = self.weight_version
         groups: dict[Sampling, list[Sequence]] = {}
@@ -206,7 +318,9 @@ class Scheduler:
             todo = [s for s in seqs if s.max_new_tokens > 0]
             if todo and not aborted():
                 max_new = max(s.max_new_tokens for s in todo)
-                rows = self.runner.generate([s.prompt for s in todo], key, max_new, aborted)
+                self.stats["max_running"] = max(self.stats["max_running"], len(todo))
+                self.stats["forwards"] += 1  # the prefill
+                rows = self.runner.generate([s.prompt for s in todo], key, max_new, step)
                 was_aborted = self._abort_epoch != epoch
                 for s, row in zip(todo, rows, strict=True):
                     self._finish(s, row, was_aborted, version)

@@ -7,6 +7,7 @@ One `train_step`, top to bottom:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -14,11 +15,13 @@ import torch
 from arealcli.runtime import distributed
 from arealcli.runtime.algo import functional as F
 from arealcli.runtime.data.sample import SequenceSample
+from arealcli.runtime.engines.lm_output import LMOutput, takes_lm_output
+from arealcli.runtime.interfaces import token_logprobs
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.interfaces.rl_common import (
-    compute_returns,
     dp_masked_normalize,
     dp_std,
+    given_returns,
     group_ids,
     response_view,
     shuffled_minibatches,
@@ -26,18 +29,18 @@ from arealcli.runtime.interfaces.rl_common import (
 )
 from arealcli.runtime.interfaces.sft import answer_token_mask
 from arealcli.runtime.models.model import Model
-from arealcli.runtime.registry import get_reward, make_workflow
+from arealcli.runtime.registry import get_reward, make_workflow, reward_is_binary
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs
 
 
-def next_token_logprobs(logits: torch.Tensor, mb: SequenceSample, temperature: float) -> torch.Tensor:
-    """(tokens,) log p(x_{t+1} | x_<=t) at every position; 0 at the last position of each sequence."""
-    ids = mb.data["packed_input_ids"].to(logits.device)
-    targets = torch.roll(ids, shifts=-1)
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-    ends = (mb.cu_seqlens("packed_input_ids")[1:] - 1).to(logits.device)
-    return logp.index_fill(0, ends, 0.0)
+@takes_lm_output
+def next_token_logprobs(
+    outputs: LMOutput | torch.Tensor, mb: SequenceSample, temperature: float
+) -> torch.Tensor:
+    """(tokens,) log p(x_{t+1} | x_<=t) at every position; 0 at the last position of each sequence.
+    From a micro-batch's `LMOutput` chunk by chunk, or from packed logits (tokens, V)."""
+    return token_logprobs.next_token_logprobs(outputs, mb, temperature)
 
 
 def final_answer_mask(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -82,8 +85,8 @@ class PPOActorInterface(ModelInterface):
 
     def __init__(self, args: PPOActorArgs):
         super().__init__(args)
-        self.kl_ctl = F.kl_controller(args.shaping.kl_ctl, args.adaptive_kl_target, args.adaptive_kl_horizon)
-        self.kl_coef = self.kl_ctl.value  # this step's (the `returns` call's when there is one)
+        # No per-step state: one object serves every call of its model, generate on the rollout thread
+        # and train_step on the trainer's at once. The KL coefficient comes with the batch.
         self.temperature = args.temperature or (
             1.0 if args.generation.greedy else args.generation.temperature
         )
@@ -174,7 +177,7 @@ class PPOActorInterface(ModelInterface):
     def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
         t = self.temperature
         logp = model.module.forward(
-            data, mb_spec, post_hook=lambda logits, mb: next_token_logprobs(logits, mb, t)
+            data, mb_spec, post_hook=takes_lm_output(lambda out, mb: next_token_logprobs(out, mb, t))
         )
         return SequenceSample(
             data.ids,
@@ -186,10 +189,7 @@ class PPOActorInterface(ModelInterface):
 
     def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> dict[str, float]:
         a = self.args
-        # from the `returns` call when the dataflow has one (one KL controller for actor and critic)
-        r = compute_returns(data, a.shaping, a.gae_lambda, self.kl_ctl.value, a.generation.max_new_tokens)
-        own_controller = "kl_coef" not in data.meta
-        self.kl_coef = self.kl_ctl.value if own_controller else float(data.meta["kl_coef"][0])
+        r = given_returns(data, "ppo_actor's train_step")  # and its KL coefficient: one controller
         raw = data.data["rewards"].float()  # (B,)
         no_eos = data.data["seq_no_eos_mask"].bool()
         mask = r.mask & ~no_eos[:, None] if a.mask_too_long else r.mask  # (B, T)
@@ -221,7 +221,7 @@ class PPOActorInterface(ModelInterface):
             "response_len": float(r.mask.sum(-1).float().mean()),
             "no_eos_frac": float(no_eos.float().mean()),
             "adv_abs": float(F.masked_mean(adv.abs(), mask)),
-            "kl_coef": self.kl_coef,
+            "kl_coef": r.kl_coef,
         }
         if r.kl is not None:
             stats["kl_ref"] = float(F.masked_mean(r.kl, r.mask))
@@ -242,13 +242,8 @@ class PPOActorInterface(ModelInterface):
         if "packed_ref_logprobs" in data.data:
             train.data["ref_logp"] = data.data["packed_ref_logprobs"].float()
         if a.use_decoupled_loss:
-            if "packed_prox_logprobs" not in data.data:
-                raise RuntimeError(
-                    "use_decoupled_loss needs proximal log-probs (packed_prox_logprobs): an inference call on "
-                    "the trained model before this one (the grpo/ppo presets add `actor_prox`)"
-                )
-            train.data["prox_logp"] = data.data["packed_prox_logprobs"].float()
-        for k in ("advantages", "old_logp", "action_mask", "ref_logp", "prox_logp"):
+            train.data.update(self._proximal(model, data, mask))
+        for k in ("advantages", "old_logp", "action_mask", "ref_logp", "prox_logp", "prox_alpha"):
             if k in train.data:
                 train.seqlens[k] = list(train.seqlens["packed_input_ids"])
         kept = [i for i in range(data.bs) if keep[i]]
@@ -263,7 +258,7 @@ class PPOActorInterface(ModelInterface):
                     s = model.module.train_batch(
                         train.subset(idx),
                         mb_spec,
-                        self._loss_fn,
+                        takes_lm_output(functools.partial(self._loss_fn, kl_coef=r.kl_coef)),
                         self._loss_weight,
                         version_steps=model.version.global_step,
                         lr_scale=a.lr_scale,
@@ -273,12 +268,30 @@ class PPOActorInterface(ModelInterface):
                     n_updates += 1
         stats.update({k: v / max(n_updates, 1) for k, v in train_stats.items()})
         stats["n_updates"] = float(n_updates)
-
-        if a.adaptive_kl_target is not None and r.kl is not None and own_controller:
-            kl_sum, n = distributed.all_reduce([float((r.kl * r.mask).sum()), float(data.bs)])
-            self.kl_ctl.update(kl_sum / n, n_steps=int(n))  # the same controller on every rank
         model.inc_version()
         return stats
+
+    def _proximal(self, model: Model, data: SequenceSample, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the decoupled loss needs of the proximal policy (the weights before this update), per
+        `prox_logp_method`: its recomputed log-probs (`prox_logp`: recompute, metrics), the behaviour
+        log-probs (rollout), or the log-linear weight of each token (`prox_alpha`: loglinear, metrics)."""
+        method = self.args.prox_logp_method
+        out: dict[str, torch.Tensor] = {}
+        if method in ("recompute", "metrics"):
+            if "packed_prox_logprobs" not in data.data:
+                raise RuntimeError(
+                    f"prox_logp_method {method} needs proximal log-probs (packed_prox_logprobs): an inference "
+                    "call on the trained model before this one (the grpo/ppo presets add `prox_logprobs`)"
+                )
+            out["prox_logp"] = data.data["packed_prox_logprobs"].float()
+        elif method == "rollout":
+            out["prox_logp"] = data.data["packed_logprobs"].float()
+        if method in ("loglinear", "metrics"):
+            now = model.version.global_step
+            versions = data.meta.get("version") or [now] * data.bs
+            alpha = F.loglinear_alpha(torch.tensor(versions, dtype=torch.float32), now)  # (B,)
+            out["prox_alpha"] = to_packed(alpha[:, None] * mask, data)
+        return out
 
     def _action_mask(self, mb: SequenceSample) -> torch.Tensor:
         return answer_token_mask(mb) & mb.data["action_mask"].bool()
@@ -291,9 +304,10 @@ class PPOActorInterface(ModelInterface):
             float((m.sum(-1) > 0).sum()) if self.args.aggregation == "seq-mean-token-mean" else float(mb.bs)
         )
 
-    def _loss_fn(self, logits: torch.Tensor, mb: SequenceSample):
+    @takes_lm_output  # `logits` is the micro-batch's LMOutput: log-probs and entropy chunk by chunk
+    def _loss_fn(self, logits: LMOutput | torch.Tensor, mb: SequenceSample, kl_coef: float):
         a = self.args
-        logp_tok = next_token_logprobs(logits, mb, self.temperature)  # (tokens,)
+        logp_tok, ent_tok = token_logprobs.next_token_logprobs_and_entropy(logits, mb, self.temperature)
         logp, _ = response_view(logp_tok, mb)  # (B, T)
         old, _ = response_view(mb.data["old_logp"].to(logits.device), mb)
         adv, _ = response_view(mb.data["advantages"].to(logits.device), mb)
@@ -301,6 +315,18 @@ class PPOActorInterface(ModelInterface):
         prox = (
             response_view(mb.data["prox_logp"].to(logits.device), mb)[0] if "prox_logp" in mb.data else None
         )
+        recomputed = prox if a.prox_logp_method in ("recompute", "metrics") else None
+        prox_stats: dict[str, torch.Tensor] = {}
+        if "prox_alpha" in mb.data:  # log-linear proximal log-probs, from the behaviour and current ones
+            alpha, _ = response_view(mb.data["prox_alpha"].to(logits.device), mb)
+            approx = F.loglinear_prox_logp(old, logp.detach(), alpha)
+            if prox is None:
+                prox = approx
+            else:  # metrics: how far the approximation is from the recomputed log-probs
+                prox_stats = F.prox_approx_errors(approx, prox, old, mask)
+        # the generator's log-probs vs the trainer's: the recomputed proximal ones, or else the current
+        # ones (the weights before this update on the step's first minibatch)
+        prox_stats.update(F.mismatch_stats(old, logp.detach() if recomputed is None else recomputed, mask))
         loss, stats = F.ppo_actor_loss(
             logp,
             old,
@@ -316,17 +342,18 @@ class PPOActorInterface(ModelInterface):
             max_len=a.generation.max_new_tokens,
             importance_ratio=a.importance_ratio,
         )
-        if "ref_logp" in mb.data and self.kl_coef > 0 and not a.shaping.kl_in_reward:
+        stats.update(prox_stats)
+        if "ref_logp" in mb.data and kl_coef > 0 and not a.shaping.kl_in_reward:
             ref, _ = response_view(mb.data["ref_logp"].to(logits.device), mb)
             # aggregated like the policy loss (TRL, verl): with Dr.GRPO's sum / max_len the KL too
             kl_tokens = F.kl_estimate(logp, ref, a.kl_estimator)  # (B, T)
             kl = F.aggregate_loss(kl_tokens, mask, a.aggregation, a.generation.max_new_tokens)
-            loss = loss + self.kl_coef * kl
+            loss = loss + kl_coef * kl
             stats["kl_loss"] = kl.detach()
         act = self._action_mask(mb).to(logits.device)  # responses removed from the loss get no bonus
         with torch.set_grad_enabled(a.entropy_coef > 0):  # only a statistic unless it is in the loss
-            ent = F.entropy_from_logits(logits[act].float() / self.temperature)  # (action tokens,)
-            ent = ent.mean() if ent.numel() else logits.new_zeros(())
+            ent = ent_tok[act]  # (action tokens,) entropy of softmax(logits / T)
+            ent = ent.mean() if ent.numel() else ent_tok.new_zeros(())
         stats["entropy"] = ent.detach()
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * ent
@@ -341,7 +368,8 @@ class PPOActorInterface(ModelInterface):
     def evaluate(self, model: Model, loader) -> dict[str, float]:
         """Greedy decoding on held-out prompts, scored by `eval_reward_fn`."""
         a = self.args
-        reward_fn = get_reward(a.eval_reward_fn)
+        name = a.eval_reward_fn or "math"
+        reward_fn = get_reward(name)
         g = GenerationHyperparameters(
             greedy=True,
             max_new_tokens=a.eval_max_new_tokens or a.generation.max_new_tokens,
@@ -357,11 +385,6 @@ class PPOActorInterface(ModelInterface):
                 responses = [model.tokenizer.decode(o, skip_special_tokens=True) for o in out.output_ids]
             scores.extend(reward_fn(batch.meta["prompt"], responses, batch.meta["answers"]))
         t = torch.tensor(scores)
-        total, correct, n = distributed.all_reduce([float(t.sum()), float((t > 0.5).sum()), float(t.numel())])
-        return {"accuracy": correct / max(n, 1.0), "reward": total / max(n, 1.0)}
-
-    def state_dict(self) -> dict:
-        return {"kl_ctl": self.kl_ctl.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.kl_ctl.load_state_dict(state["kl_ctl"])
+        total, n = distributed.all_reduce([float(t.sum()), float(t.numel())])
+        # a 0/1 reward's mean is the accuracy; any other reward is reported as itself, by name
+        return {"accuracy" if reward_is_binary(name) else f"reward/{name}": total / max(n, 1.0)}

@@ -8,8 +8,8 @@ from arealcli.runtime.algo import functional as F
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.interfaces.rl_common import (
-    compute_returns,
     final_state_values,
+    given_returns,
     response_view,
     shuffled_minibatches,
     to_packed,
@@ -32,8 +32,7 @@ class PPOCriticInterface(ModelInterface):
 
     def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> dict[str, float]:
         a = self.args
-        # from the `returns` call when the dataflow has one: the actor's KL coefficient and shaping
-        r = compute_returns(data, a.shaping, a.gae_lambda, a.shaping.kl_ctl)
+        r = given_returns(data, "ppo_critic's train_step")  # the same as the actor's
         train = data.select(["packed_input_ids", "prompt_mask"])
         for key, padded in (
             ("returns", r.returns),

@@ -16,7 +16,7 @@ from arealcli.runtime import distributed
 from arealcli.runtime.algo import functional as F
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.sft import answer_token_mask
-from arealcli.schema.components.interfaces import RewardShaping
+from arealcli.schema.components.interfaces import RETURNS_OUTPUTS, RewardShaping
 
 
 def action_index(mb: SequenceSample) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +72,7 @@ class Returns:
     advantages: torch.Tensor  # (B, T) GAE advantages (not normalized)
     returns: torch.Tensor  # (B, T)
     values: torch.Tensor  # (B, T)
+    kl_coef: float  # the KL controller's coefficient of this step
 
 
 def shaped_scores(
@@ -102,10 +103,7 @@ def compute_returns(
 ) -> Returns:
     """Shaped scores -> per-token rewards (KL penalty with coefficient `kl_coef` when in the reward) ->
     GAE: advantages with `gae_lambda`, returns (the critic's targets) with `returns_lambda` (default the
-    same). A packed batch that already carries `advantages`, `returns` and `seq_scores` (from a
-    `returns` call of the dataflow) is read as it is: computed once for the actor and the critic."""
-    if {"advantages", "returns", "seq_scores"} <= set(data.data):
-        return provided_returns(data)
+    same). Computed by the `returns` call only; the actor and the critic read its keys (`given_returns`)."""
     old_logp, mask = response_view(data.data["packed_logprobs"].float(), data)  # (B, T)
     no_eos = data.data["seq_no_eos_mask"].bool()  # (B,)
     resp_len = mask.sum(-1)
@@ -128,11 +126,18 @@ def compute_returns(
     adv, ret = F.gae(rewards, values, mask, bootstrap, s.discount, gae_lambda)
     if returns_lambda is not None and returns_lambda != gae_lambda:
         _, ret = F.gae(rewards, values, mask, bootstrap, s.discount, returns_lambda)
-    return Returns(scores, mask, kl, adv, ret, values)
+    return Returns(scores, mask, kl, adv, ret, values, kl_coef)
 
 
-def provided_returns(data: SequenceSample) -> Returns:
-    """`Returns` from the keys a `returns` call produced (advantages, returns, seq_scores)."""
+def given_returns(data: SequenceSample, caller: str) -> Returns:
+    """`Returns` from the keys the `returns` call produced (advantages, returns, seq_scores): the one
+    place rewards become advantages, so the actor and the critic see the same values."""
+    missing = [k for k in RETURNS_OUTPUTS if k not in data.data and k not in data.meta]
+    if missing:
+        raise RuntimeError(
+            f"{caller} needs {', '.join(missing)} from a `returns` call before it (interface `returns`; "
+            "the grpo and ppo presets add one)"
+        )
     old_logp, mask = response_view(data.data["packed_logprobs"].float(), data)  # (B, T)
     kl = None
     if "packed_ref_logprobs" in data.data:
@@ -145,7 +150,8 @@ def provided_returns(data: SequenceSample) -> Returns:
     )
     adv, _ = response_view(data.data["advantages"].float(), data)
     ret, _ = response_view(data.data["returns"].float(), data)
-    return Returns(data.data["seq_scores"].float(), mask, kl, adv, ret, values)
+    kl_coef = float(data.meta["kl_coef"][0]) if data.bs else 0.0
+    return Returns(data.data["seq_scores"].float(), mask, kl, adv, ret, values, kl_coef)
 
 
 def dp_masked_normalize(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:

@@ -8,7 +8,9 @@ import torch
 
 from arealcli.runtime import distributed
 from arealcli.runtime.data.sample import SequenceSample
+from arealcli.runtime.engines.lm_output import LMOutput, takes_lm_output
 from arealcli.runtime.interfaces.base import ModelInterface
+from arealcli.runtime.interfaces.token_logprobs import next_token_logprobs
 from arealcli.runtime.models.model import Model
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import SFTArgs
@@ -32,24 +34,27 @@ def num_answer_tokens(mb: SequenceSample) -> int:
     return int(answer_token_mask(mb).sum())
 
 
-def token_nll(logits: torch.Tensor, mb: SequenceSample) -> tuple[torch.Tensor, torch.Tensor]:
-    """-log p(x_{t+1} | x_<=t) at every position (tokens,), and the answer-token mask (tokens,)."""
-    ids = mb.data["packed_input_ids"].to(logits.device)
-    targets = torch.roll(ids, shifts=-1)  # (tokens,) next token at every position
-    logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-    return -logp, answer_token_mask(mb).to(logits.device)
+def token_nll(outputs: LMOutput | torch.Tensor, mb: SequenceSample) -> tuple[torch.Tensor, torch.Tensor]:
+    """-log p(x_{t+1} | x_<=t) at every position (tokens,) (0 at each sequence's last), and the
+    answer-token mask (tokens,); `outputs` an `LMOutput` or packed logits (tokens, V)."""
+    logp = next_token_logprobs(outputs, mb)
+    return -logp, answer_token_mask(mb).to(logp.device)
 
 
-def sft_loss(logits: torch.Tensor, mb: SequenceSample) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Mean NLL over the micro-batch's answer tokens; logits (tokens, V)."""
-    nll, mask = token_nll(logits, mb)
+@takes_lm_output
+def sft_loss(
+    outputs: LMOutput | torch.Tensor, mb: SequenceSample
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean NLL over the micro-batch's answer tokens; `outputs` an `LMOutput` or logits (tokens, V)."""
+    nll, mask = token_nll(outputs, mb)
     loss = (nll * mask).sum() / mask.sum().clamp(min=1)
     return loss, {"n_tokens": mask.sum().float()}
 
 
-def per_sample_nll(logits: torch.Tensor, mb: SequenceSample) -> list[torch.Tensor]:
+@takes_lm_output
+def per_sample_nll(outputs: LMOutput | torch.Tensor, mb: SequenceSample) -> list[torch.Tensor]:
     """[summed answer NLL, answer tokens] for each sample of the micro-batch."""
-    nll, mask = token_nll(logits, mb)
+    nll, mask = token_nll(outputs, mb)
     lens = mb.seqlens["packed_input_ids"]
     return [
         torch.stack([(n * m).sum(), m.sum().float()])

@@ -77,6 +77,21 @@ def merged_state(
     return out
 
 
+def split_lora_state(
+    state: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A LoRA model's full state dict (peft's names) -> (the base model's weights under its own names,
+    the adapters under the base model's module names: `<module>.lora_A.<adapter>.weight`)."""
+    base, adapters = {}, {}
+    for key, value in state.items():
+        name = key.removeprefix(_PREFIX)
+        if ".lora_" in key:
+            adapters[name] = value
+        else:
+            base[name.replace(".base_layer.", ".")] = value
+    return base, adapters
+
+
 def save_adapters(peft_module, state: dict[str, torch.Tensor], save_dir: str) -> None:
     """`adapter/` in peft's layout from a full state dict (peft's names, the adapter name dropped)."""
     from peft import get_peft_model_state_dict

@@ -1,10 +1,13 @@
-"""HF weights on disk: read an export's safetensors, load them into a built module, write an export."""
+"""HF weights: on disk (read an export's safetensors, load them into a built module, write an export),
+and in memory (`WeightsInMemory`: a trained model's tensors handed to a follower in the same process)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,3 +48,40 @@ def export_hf(module, tokenizer, directory: Path) -> None:
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp))
     os.replace(tmp, directory)
+
+
+@dataclass
+class WeightsInMemory:
+    """New weights for a follower in the same process (`weights_from`), under the HF names of the
+    model's parameters; the tensors are the source's own (no copy: the follower copies them).
+
+    full: every tensor (with LoRA: the merged weights, or the base weights when `adapters` is given);
+        None when the follower holds them already (LoRA: the base does not train).
+    adapters: LoRA A and B matrices under the adapted modules' names (`<module>.lora_A.default.weight`),
+        with `lora_config` (peft's LoraConfig) to set the adapters up where they are not yet.
+    """
+
+    full: dict[str, torch.Tensor] | None = None
+    adapters: dict[str, torch.Tensor] | None = None
+    lora_config: Any = None
+
+    def nbytes(self) -> int:
+        """Bytes to copy: each tensor once (a tied output layer shares the embeddings' storage)."""
+        tensors = [*(self.full or {}).values(), *(self.adapters or {}).values()]
+        unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+        return sum(unique.values())
+
+
+def weights_in_memory(module: torch.nn.Module, adapters_apart: bool) -> WeightsInMemory:
+    """A module's weights for a follower in this process. A LoRA module gives its base weights and the
+    adapters apart when `adapters_apart`, else the merged weights (computed: W + scale B A)."""
+    from arealcli.runtime.models.lora import is_lora, merged_state, scaling, split_lora_state
+
+    state = module.state_dict()
+    if not is_lora(module):
+        return WeightsInMemory(full=dict(state))
+    if not adapters_apart:
+        return WeightsInMemory(full=merged_state(state, scaling(module)))
+    base, adapters = split_lora_state(state)
+    config = getattr(module, "peft_config")["default"]  # noqa: B009  (peft's attribute, untyped)
+    return WeightsInMemory(full=base, adapters=adapters, lora_config=config)

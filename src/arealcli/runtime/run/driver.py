@@ -2,7 +2,8 @@
 worker it launches (the console and the header on the reporting rank only).
 
     run(recipe, recipe_path, run_dir, resume, display, stop)
-      thread policy (torch threads follow the free cores, unless OMP_NUM_THREADS fixes them)
+      placement (the training backends' cpus/devices), then the thread policy (torch threads follow
+      the free cores of those, unless OMP_NUM_THREADS fixes them)
       Trainer(..., hooks) -> setup -> header and notes -> train -> close
 """
 
@@ -35,7 +36,9 @@ class Display:
 @dataclass
 class RunResult:
     global_step: int
-    elapsed_s: float
+    elapsed_s: float  # this process's training time
+    start_step: int = 0  # where this process started (a resumed run: its checkpoint's step)
+    finished_before: bool = False  # resumed a run that had already trained every step: nothing ran
 
 
 def run(
@@ -52,13 +55,23 @@ def run(
     SIGTERM, is raised to the caller after the trainer closed; `on_stop` sees it first)."""
     from arealcli.runtime.console.progress import ConsoleProgress, default_metrics, header
 
-    policy = threads.ThreadPolicy() if threads.enabled() else None
+    cores = threads.place_trainer(recipe)  # the training backends' `cpus` / `devices`
+    policy = threads.ThreadPolicy(cores=cores) if threads.enabled() else None
     if policy is not None:
         policy.measure_now()
     progress = None
     if display is not None:
         metrics = recipe.trainer.console_metrics or default_metrics(recipe.dataflow.calls)
-        progress = ConsoleProgress(display.console, recipe.experiment, metrics)
+        t = recipe.trainer
+        progress = ConsoleProgress(
+            display.console,
+            recipe.experiment,
+            metrics,
+            recipe.dataflow.calls,
+            t.eval_every_n_steps if t.eval_every_n_steps and recipe.eval_dataset else None,
+            t.save_every_n_steps,
+            t.eval_at_start and recipe.eval_dataset is not None,
+        )
     hooks = Hooks(
         progress=progress.update if progress is not None else None,
         stop_requested=stop.raise_if_requested if stop is not None else None,
@@ -71,6 +84,10 @@ def run(
             if stop is not None:
                 stop.install()
             trainer.setup()
+            start_step = trainer.global_step
+            if resume and start_step >= trainer.total_steps:  # nothing to do: nothing is rewritten
+                return RunResult(start_step, 0.0, start_step, finished_before=True)
+            t0 = time.perf_counter()  # this session's training time (setup excluded)
             if display is not None and progress is not None:
                 header(display.console, trainer.describe(recipe_path))
                 for note in trainer.notes:
@@ -78,11 +95,13 @@ def run(
                 progress.start(trainer.global_step, trainer.total_steps)
             trainer.train()
     except KeyboardInterrupt as e:
+        if progress is not None:
+            progress.stop()  # (the `with` has ended it already; nothing is drawn after the message)
         if on_stop is not None:
-            on_stop(e)  # the progress line has ended; said before a shutdown that may hang
+            on_stop(e)  # said before a shutdown that may hang
         raise
     finally:
         trainer.close()
         if stop is not None:
             stop.restore()
-    return RunResult(trainer.global_step, time.perf_counter() - t0)
+    return RunResult(trainer.global_step, time.perf_counter() - t0, start_step)

@@ -8,13 +8,29 @@ bench/shared_machine.py). So the trainer measures, every `interval_s`, how much 
 cores left, at least one: all of them on an idle machine, fewer beside a neighbour.
 
 Off when the user chose a count (OMP_NUM_THREADS) or set AREALCLI_THREAD_POLICY=off; Linux only.
+
+Placement (`cpus` of the training backends) comes first: `place_trainer` pins every thread of the
+process to those cores and sets torch's thread count to their number; the policy then measures the
+load on those cores only and never goes above their number. Threads started later inherit the mask of
+the thread that starts them, so the `local` generator's thread, which pins itself to its own `cpus`,
+takes the torch (OpenMP) worker threads it starts with it. Launched servers are separate processes,
+pinned by their launcher; one without `cpus` of its own gets the cores the trainer had before its
+placement (AREALCLI_UNPLACED_CPUS, set here), not the trainer's.
+
+What a placement does not separate inside one process: the Python interpreter lock (the training and
+generation threads take turns running Python), memory bandwidth and caches, and torch's process-wide
+pools (the inter-op pool, MKL's own threads) that are started by whichever thread first needs them.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+from arealcli.errors import UserError
 
 
 def available_cpus() -> int:
@@ -32,15 +48,101 @@ def available_cpus() -> int:
     return max(1, cpus)
 
 
-def _sample() -> tuple[float, float, float] | None:
-    """(machine busy ticks, machine total ticks, this process's ticks), or None off Linux."""
-    try:
-        fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
+def _busy_total(fields: list[float]) -> tuple[float, float]:
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
-    return sum(fields) - idle, sum(fields), float(own[11]) + float(own[12])  # utime + stime
+    return sum(fields) - idle, sum(fields)
+
+
+def _ticks(stat: str) -> float:
+    """utime + stime of a /proc/<pid>[/task/<tid>]/stat line."""
+    rest = stat.rsplit(")", 1)[1].split()
+    return float(rest[11]) + float(rest[12])
+
+
+def _sample(cores: frozenset[int] | None = None) -> tuple[float, float, float] | None:
+    """(busy ticks, total ticks, this process's ticks) of the machine, or of `cores` alone (then this
+    process's ticks are those of its threads pinned inside them); None off Linux."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+        if cores is None:
+            busy, total = _busy_total([float(x) for x in lines[0].split()[1:]])
+            return busy, total, _ticks(Path("/proc/self/stat").read_text())
+        busy = total = 0.0
+        for line in lines[1:]:
+            name, *values = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+                b, t = _busy_total([float(x) for x in values])
+                busy, total = busy + b, total + t
+        return busy, total, _own_ticks(cores)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _own_ticks(cores: frozenset[int]) -> float:
+    """CPU ticks of this process's threads whose affinity lies within `cores`."""
+    own = 0.0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if set(os.sched_getaffinity(int(task.name))) <= cores:
+                own += _ticks((task / "stat").read_text())
+        except (OSError, ValueError):  # the thread ended meanwhile
+            pass
+    return own
+
+
+def pin_process(cpus: Iterable[int]) -> None:
+    """Run every thread of this process on `cpus` (threads started later inherit it from their parent)."""
+    mask = set(cpus)
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), mask)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+def trainer_placement(recipe: Any) -> tuple[list[int] | None, list[int] | None]:
+    """(cpus, devices) of the training process: those of every model whose backend computes in it
+    (scope "process"; they take turns on the same thread, so their cores are one set)."""
+    cpus: list[int] | None = None
+    devices: list[int] | None = None
+    for spec in recipe.models.values():
+        args = spec.backend.args
+        if spec.base_of is not None or getattr(type(args), "placement_scope", None) != "process":
+            continue
+        if args.cpus is not None:
+            cpus = sorted(set(cpus or []) | set(args.cpus))
+        if args.devices is not None:
+            devices = list(dict.fromkeys((devices or []) + list(args.devices)))
+    return cpus, devices
+
+
+def place_trainer(recipe: Any) -> list[int] | None:
+    """Apply the training process's placement; returns the cores of this process (None: not placed).
+
+    With several processes on a node (`--nproc-per-node`), local rank i takes part i of the cores
+    (`share`) and the i-th of the devices (modulo their number).
+    """
+    import torch
+
+    from arealcli.schema.checks.placement import UNPLACED_CPUS_ENV, compact, usable_cpus
+    from arealcli.schema.components.backends import share
+
+    cpus, devices = trainer_placement(recipe)
+    rank, ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    mine = share(cpus, rank, ranks) if cpus else None
+    if mine:
+        os.environ.setdefault(UNPLACED_CPUS_ENV, compact(usable_cpus() or mine))  # for unplaced servers
+        try:
+            pin_process(mine)
+        except OSError as e:
+            raise UserError(
+                f"cannot run the trainer on cores {compact(mine)}: {e.strerror} (this process may run on "
+                f"cores {compact(usable_cpus() or [])})"
+            ) from None
+        torch.set_num_threads(len(mine))
+    if devices and torch.cuda.is_available():
+        torch.cuda.set_device(devices[rank % len(devices)])
+    return mine
 
 
 def enabled() -> bool:
@@ -52,13 +154,17 @@ def enabled() -> bool:
 
 
 class ThreadPolicy:
-    def __init__(self, interval_s: float = 5.0):
-        self.cpus = available_cpus()
-        self.machine_cpus = os.cpu_count() or self.cpus
+    """torch threads = the cores left by other processes: of the machine, or of `cores` when the
+    trainer is placed (then at most their number)."""
+
+    def __init__(self, interval_s: float = 5.0, cores: Iterable[int] | None = None):
+        self.cores = frozenset(cores) if cores else None
+        self.cpus = len(self.cores) if self.cores else available_cpus()
+        self.machine_cpus = len(self.cores) if self.cores else os.cpu_count() or self.cpus
         self.interval_s = interval_s
         self.threads: int | None = None
         self.other_load = 0.0
-        self._last = _sample()
+        self._last = _sample(self.cores)
         self._last_t = time.monotonic()
 
     def measure_now(self, seconds: float = 0.2) -> int:
@@ -74,11 +180,11 @@ class ThreadPolicy:
         now = time.monotonic()
         if self.threads is not None and now - self._last_t < self.interval_s:
             return self.threads
-        current = _sample()
+        current = _sample(self.cores)
         if current is not None and self._last is not None:
             busy, total, own = (c - p for c, p in zip(current, self._last, strict=True))
             if total > 0:
-                # total ticks are summed over every CPU of the machine: busy share x CPUs = cores in use
+                # total ticks are summed over every CPU counted: busy share x CPUs = cores in use
                 others = max(0.0, (busy - own) / total * self.machine_cpus)
                 self.other_load = others
         self._last, self._last_t = current, now

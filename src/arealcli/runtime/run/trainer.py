@@ -103,6 +103,8 @@ class Trainer:
         if resume_from is not None:
             self._restore_trainer_state(resume_from)
         self.resumed_from = resume_from
+        if resume_from is not None and self.global_step >= self.total_steps:
+            return  # a finished run: nothing to train, no log or tracker to open
         self._setup_logging()
         # models with `weights_from` start from their source's current (possibly resumed) weights
         self.weight_sync = WeightSync(self.recipe, self.models, self.tokenizer, self.run_dir)
@@ -209,11 +211,16 @@ class Trainer:
         return model
 
     def _setup_calls(self) -> None:
+        """One interface object per model and interface spec, shared by the calls that name them (the
+        actor's generate, log-prob and train calls are one PPO actor); weightless calls get their own."""
         weightless = Model("<weightless>", None, self.tokenizer)  # for calls with `model: null`
-        self.calls = [
-            Call(c, make_interface(c.interface), self.models[c.model] if c.model else weightless)
-            for c in self.recipe.dataflow.calls
-        ]
+        shared: dict[tuple[str, str], Any] = {}
+        self.calls = []
+        for c in self.recipe.dataflow.calls:
+            key = (c.model or f"<call {c.name}>", c.interface.model_dump_json())
+            if key not in shared:
+                shared[key] = make_interface(c.interface)
+            self.calls.append(Call(c, shared[key], self.models[c.model] if c.model else weightless))
 
     def _restore_trainer_state(self, resume_from: Path) -> None:
         """Step counters, model versions, interface state (KL controllers) and every rank's RNG."""
@@ -402,15 +409,22 @@ class Trainer:
         return distributed.dp_slice(self.batches.batch(epoch, epoch_step))
 
     def evaluate(self) -> dict[str, float]:
-        """Every train call's interface on the held-out batches, each rank on its slice of them."""
+        """Every train call's interface on the held-out batches, each rank on its slice of them.
+
+        Held-out metrics are named for what they measure (`eval/accuracy`, `eval/nll`,
+        `eval/reward/<name>`), not for the call; a name two calls both report is kept apart as
+        `eval/<call>/<name>` for the later calls."""
         out: dict[str, float] = {}
+        evaluated: set[int] = set()
         for call in self.calls:
-            if call.spec.type == "train_step":
-                assert self.eval_batches is not None  # areal check: evaluation needs an eval_dataset
-                batches = self.eval_batches.all_batches(min_size=distributed.dp_world())
-                loader = map(distributed.dp_slice, batches)
-                stats = call.interface.evaluate(call.model, loader)
-                out.update({f"eval/{call.spec.name}/{k}": v for k, v in stats.items()})
+            if call.spec.type != "train_step" or id(call.interface) in evaluated:
+                continue  # calls sharing one interface object evaluate once
+            evaluated.add(id(call.interface))
+            assert self.eval_batches is not None  # areal check: evaluation needs an eval_dataset
+            batches = self.eval_batches.all_batches(min_size=distributed.dp_world())
+            loader = map(distributed.dp_slice, batches)
+            for k, v in call.interface.evaluate(call.model, loader).items():
+                out[f"eval/{k}" if f"eval/{k}" not in out else f"eval/{call.spec.name}/{k}"] = v
         return distributed.mean_over_ranks(out)
 
     # ------------------------------------------------------------------ checkpoints
@@ -490,11 +504,10 @@ def drop_metrics_after(path: Path, step: int) -> None:
 
     if not path.exists():
         return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= step
-    ]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return  # nothing to drop: the file is left as it is
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
@@ -531,6 +544,13 @@ def batch_size_problem(batch_size: int, world: int) -> str:
     )
 
 
+def sample_id(id_: Any) -> dict[str, Any]:
+    """A sample's id as fields: `prompt_id` (the dataset row) and `sample` (j of n) for generated ones."""
+    if isinstance(id_, tuple) and len(id_) == 2:
+        return {"prompt_id": id_[0], "sample": id_[1]}
+    return {"prompt_id": id_}
+
+
 def sample_rows(batch, tokenizer) -> list[dict]:
     """Generated responses of a step, readable: prompt, response, reward, truncated."""
     if "prompt_mask" not in batch.data or "rewards" not in batch.data:
@@ -541,7 +561,7 @@ def sample_rows(batch, tokenizer) -> list[dict]:
     ):
         pm = pm.bool()
         row = {
-            "id": str(batch.ids[i]),
+            **sample_id(batch.ids[i]),
             "prompt": tokenizer.decode(ids[pm].tolist()),
             "response": tokenizer.decode(ids[~pm].tolist()),
             "reward": float(batch.data["rewards"][i]),

@@ -1,8 +1,15 @@
 """Models whose weights follow another (`weights_from: actor`), e.g. a generation server copy of the actor.
 
-After every step that trained a source model, its weights are exported (HF format, atomically) to
-`<run_dir>/weights/<source>/v<version>` and every follower loads them through its backend's
-`update_weights` — before the next step's generation. Only the newest `keep_last` exports are kept.
+After every step that trained a source model, every follower gets its weights before the next step's
+generation:
+- in memory, when the follower's backend copies tensors (`local`) and the source's engine holds its
+  weights whole in this process (hf): the source's tensors are copied into the follower's, no files.
+  A LoRA source sends its base weights and adapters at the first update and the adapters alone after
+  (the base does not train), to followers that apply adapters;
+- otherwise through disk: the weights are exported (HF format, merged with LoRA, atomically) to
+  `<run_dir>/weights/<source>/v<version>` and the follower loads them through its backend's
+  `update_weights` (servers: `/update_weights_from_disk`, vLLM's reload). Only the newest `keep_last`
+  exports are kept.
 A follower's `version.global_step` is the source version it holds: generated samples record it.
 """
 
@@ -17,6 +24,7 @@ from typing import Any
 from arealcli.errors import UserError
 from arealcli.runtime import distributed
 from arealcli.runtime.models.model import Model
+from arealcli.runtime.models.weights import WeightsInMemory
 from arealcli.runtime.run.checkpoint import is_disk_full
 from arealcli.schema.recipe import Recipe
 
@@ -28,6 +36,8 @@ class WeightSync:
         for name, spec in recipe.models.items():
             if spec.weights_from is not None:
                 self.followers.setdefault(spec.weights_from, []).append(name)
+        self.has_base: set[str] = set()  # followers holding a LoRA source's base: adapters suffice
+        self.whole: dict[str, bool] = {}  # sources whose engine holds its weights whole in this process
 
     def versions(self) -> dict[str, int]:
         return {src: self.models[src].version.global_step for src in self.followers}
@@ -40,13 +50,41 @@ class WeightSync:
             if before is not None and before.get(src) == version:
                 continue
             t0 = time.perf_counter()
-            path = self.export(src, version)
-            for name in followers:
+            in_memory = [n for n in followers if self._in_memory(src, n)]
+            on_disk = [n for n in followers if n not in in_memory]
+            for name in in_memory:
                 follower = self.models[name]
-                follower.backend.update_weights(follower, str(path), version)
+                follower.backend.update_weights_in_memory(follower, self.weights_for(src, name), version)
                 follower.version.global_step = version
+            if on_disk:
+                path = self.export(src, version)
+                for name in on_disk:
+                    follower = self.models[name]
+                    follower.backend.update_weights(follower, str(path), version)
+                    follower.version.global_step = version
             stats[f"timing/weight_sync_{src}_s"] = time.perf_counter() - t0
         return stats
+
+    def _in_memory(self, src: str, name: str) -> bool:
+        """Can the follower take the source's tensors in memory?"""
+        if not getattr(self.models[name].backend, "weights_in_memory", False):
+            return False
+        if src not in self.whole:  # the same for the whole run: ask once
+            probe = getattr(self.models[src].module, "weights_in_memory", None)
+            self.whole[src] = probe is not None and probe(adapters_apart=True) is not None
+        return self.whole[src]
+
+    def weights_for(self, src: str, name: str) -> WeightsInMemory:
+        """What follower `name` needs of `src`'s weights now: all of them (LoRA merged), or, to a follower
+        that applies adapters, a LoRA source's base and adapters once and then the adapters alone."""
+        apart = getattr(self.models[name].backend, "applies_adapters", False)
+        weights: WeightsInMemory = self.models[src].module.weights_in_memory(adapters_apart=apart)
+        if weights.adapters is None:
+            return weights
+        if name in self.has_base:
+            return WeightsInMemory(adapters=weights.adapters, lora_config=weights.lora_config)
+        self.has_base.add(name)
+        return weights
 
     def export(self, src: str, version: int) -> Path:
         root = self.run_dir / "weights" / src

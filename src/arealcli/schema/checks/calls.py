@@ -56,6 +56,21 @@ def check_optimizer(g: Graph, i: int, call: CallSpec) -> list[Problem]:
     return [Problem(("models", call.model, "backend", "args"), message)]
 
 
+def check_train_inputs(g: Graph, i: int, call: CallSpec) -> list[Problem]:
+    """A train_step is given the keys its interface trains on (the actor and critic: the returns')."""
+    entry = INTERFACES.find(call.interface.type_)
+    if entry is None or call.type != "train_step":
+        return []
+    missing = sorted(entry.train_inputs - set(call.inputs))
+    if not missing:
+        return []
+    message = (
+        f"interface {entry.name!r} trains on {', '.join(missing)}: add them to the inputs, made by a "
+        "call of the `returns` interface before this one (the grpo and ppo presets add it)"
+    )
+    return [Problem(call_path(i, "inputs"), message)]
+
+
 def check_outputs_once(g: Graph, i: int, call: CallSpec) -> list[Problem]:
     """Each key is produced by one call only (the first producer is named)."""
     problems = []
@@ -75,6 +90,7 @@ CALL_CHECKS = (
     check_needs_model,
     check_model_exists,
     check_optimizer,
+    check_train_inputs,
     check_outputs_once,
 )
 

@@ -2,17 +2,66 @@
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict, TypeVar
+from typing import ClassVar, Literal, TypedDict, TypeVar
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from arealcli.schema.base import StrictModel
 from arealcli.schema.components.engine import LoraConfig, OptimizerConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
+# Where a backend's compute runs, for `cpus` / `devices`: the training process itself, a thread of it,
+# or the server processes it launches.
+PlacementScope = Literal["process", "thread", "servers"]
 
-class HFBackendArgs(StrictModel):
+
+def _distinct(ids: list[int] | None) -> list[int] | None:
+    if ids is None:
+        return None
+    if not ids:
+        raise ValueError("an empty list places nothing: give at least one id, or null (not placed)")
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(map(str, twice))} given twice")
+    return ids
+
+
+class Placement(StrictModel):
+    """`cpus` and `devices`: the CPU cores and GPUs a backend's compute runs on (null: not placed).
+
+    `placement_scope` says what they apply to: "process" (the training process: its threads, torch's
+    thread count, its GPU), "thread" (a thread of the training process and the torch threads it starts),
+    "servers" (the server processes the backend launches; several servers split the ids evenly).
+    """
+
+    placement_scope: ClassVar[PlacementScope] = "process"
+
+    cpus: list[NonNegativeInt] | None = Field(
+        None,
+        description="CPU cores (ids as in `taskset`/`nproc`) this backend's compute runs on; null = any "
+        "core this process may use.",
+    )
+    devices: list[NonNegativeInt] | None = Field(
+        None,
+        description="GPUs (indices among the visible ones) this backend runs on; null = the default.",
+    )
+
+    @field_validator("cpus", "devices")
+    @classmethod
+    def _ids(cls, ids: list[int] | None) -> list[int] | None:
+        return _distinct(ids)
+
+
+def share(ids: list[int], index: int, parts: int) -> list[int]:
+    """Part `index` of `parts` contiguous, near-equal parts of `ids`; every part is all of `ids` when
+    there are fewer ids than parts (then the parts share them)."""
+    if len(ids) < parts:
+        return list(ids)
+    return ids[index * len(ids) // parts : (index + 1) * len(ids) // parts]
+
+
+class HFBackendArgs(Placement):
     """The embedded transformers backend: one process, CPU or one GPU."""
 
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -44,7 +93,7 @@ def _lora_needs_an_optimizer(args: _WithLora) -> _WithLora:
     return args
 
 
-class FSDPBackendArgs(StrictModel):
+class FSDPBackendArgs(Placement):
     """PyTorch FSDP2 (`fully_shard`): weights, gradients and optimizer state sharded over the ranks.
 
     Start it with `areal train RECIPE --nproc-per-node N`: gloo on CPU, NCCL on GPUs.
@@ -80,7 +129,7 @@ class FSDPBackendArgs(StrictModel):
         return _lora_needs_an_optimizer(self)
 
 
-class MegatronBackendArgs(StrictModel):
+class MegatronBackendArgs(Placement):
     """Megatron-Core GPTModel with tensor / pipeline / data parallelism (launch with --nproc-per-node).
 
     Data parallelism takes the rest of the world: dp = world_size / (tensor_parallel_size *
@@ -108,10 +157,13 @@ class MegatronBackendArgs(StrictModel):
     )
 
 
-class LocalBackendArgs(StrictModel):
+class LocalBackendArgs(Placement):
     """Generation in this process on a thread of its own: a copy of the model that follows another's
     weights (`weights_from`), batching the prompt groups it is sent. The engine of `areal serve`,
-    without HTTP: for asynchronous RL on one machine without a server."""
+    without HTTP: for asynchronous RL on one machine without a server. New weights are copied in memory
+    (LoRA: the adapters alone)."""
+
+    placement_scope: ClassVar[PlacementScope] = "thread"
 
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto = cuda when available, else cpu."
@@ -123,13 +175,26 @@ class LocalBackendArgs(StrictModel):
     batch_window_ms: float = Field(
         5.0, ge=0, le=10_000, description="Batch the groups that arrive within this long of each other."
     )
-    num_threads: int = Field(
-        1,
+    num_threads: int | None = Field(
+        None,
         ge=0,
         le=1024,
         description="torch CPU threads of the generation thread (0 = torch's default); the training thread "
-        "keeps its own. 1 leaves the other cores to training.",
+        "keeps its own. null = one per core of `cpus` when placed, else 1 (the other cores to training).",
     )
+
+    @field_validator("devices")
+    @classmethod
+    def _one_gpu(cls, devices: list[int] | None) -> list[int] | None:
+        if devices is not None and len(devices) > 1:
+            raise ValueError("the local generator runs on one GPU: give one device id")
+        return devices
+
+    def generation_threads(self) -> int:
+        """torch threads of the generation thread (0: torch's default)."""
+        if self.num_threads is not None:
+            return self.num_threads
+        return len(self.cpus) if self.cpus else 1
 
 
 def _check_address(address: str) -> str:
@@ -144,8 +209,15 @@ def _check_address(address: str) -> str:
     return a
 
 
-class ServerFleetArgs(StrictModel):
-    """What every server-backed generation backend shares: where the servers are, how to reach them."""
+class ServerFleetArgs(Placement):
+    """What every server-backed generation backend shares: where the servers are, how to reach them.
+
+    `cpus` and `devices` place the servers it launches (server i gets part i of each, `share`); servers
+    given by `addresses` run elsewhere and are not placed.
+    """
+
+    placement_scope: ClassVar[PlacementScope] = "servers"
+    gpus_per_server: ClassVar[str | None] = None  # the field that says how many GPUs one server uses
 
     addresses: list[str] = Field(
         default_factory=list,
@@ -182,6 +254,30 @@ class ServerFleetArgs(StrictModel):
     def _addresses(cls, addresses: list[str]) -> list[str]:
         return [_check_address(a) for a in addresses]
 
+    def server_cpus(self, index: int) -> list[int] | None:
+        """The cores of launched server `index`."""
+        return None if self.cpus is None else share(self.cpus, index, self.num_servers)
+
+    def server_devices(self, index: int) -> list[int] | None:
+        """The GPUs of launched server `index`."""
+        return None if self.devices is None else share(self.devices, index, self.num_servers)
+
+    def _placement_fits(self) -> None:
+        """Placement is for launched servers; each server's share of `devices` holds its GPUs."""
+        if self.addresses and (self.cpus is not None or self.devices is not None):
+            raise ValueError(
+                "`cpus` / `devices` place servers started here (`launch`); servers given by `addresses` run "
+                "where they were started"
+            )
+        if self.devices is None:
+            return
+        per = getattr(self, self.gpus_per_server) if self.gpus_per_server else 1
+        if len(self.devices) != self.num_servers * per:
+            raise ValueError(
+                f"devices: {self.num_servers} server(s) x {per} GPU(s) each need {self.num_servers * per} "
+                f"device ids, {len(self.devices)} given"
+            )
+
     def client_options(self) -> ClientOptions:
         """Keyword arguments of the generation client built from these settings."""
         return {
@@ -207,6 +303,8 @@ class ClientOptions(TypedDict):
 
 class SGLangBackendArgs(ServerFleetArgs):
     """Generation on SGLang servers over their native HTTP protocol: connect to `addresses` or `launch` them."""
+
+    gpus_per_server: ClassVar[str | None] = "tp_size"
 
     launch: Literal["sglang", "embedded"] | None = Field(
         None,
@@ -242,6 +340,7 @@ class SGLangBackendArgs(ServerFleetArgs):
                 "give either `addresses` (servers already running) or `launch: sglang|embedded` "
                 "(start them here), not both and not neither"
             )
+        self._placement_fits()
         return self
 
 
@@ -251,6 +350,8 @@ class VLLMBackendArgs(ServerFleetArgs):
     Weight updates (`weights_from`) use vLLM's development endpoints: start connected servers with
     `VLLM_SERVER_DEV_MODE=1` and `--logprobs-mode processed_logprobs` (launched servers get both).
     """
+
+    gpus_per_server: ClassVar[str | None] = "tensor_parallel_size"
 
     launch: bool = Field(
         False, description="Start servers here with `python -m vllm.entrypoints.openai.api_server`."
@@ -292,4 +393,5 @@ class VLLMBackendArgs(ServerFleetArgs):
                 "give either `addresses` (servers already running) or `launch: true` (start them here), "
                 "not both and not neither"
             )
+        self._placement_fits()
         return self

@@ -11,9 +11,10 @@ from arealcli.schema.components.engine import GenerationHyperparameters
 from arealcli.schema.registry import REWARDS, WORKFLOWS
 
 
-def _registered_reward(name: str) -> str:
+def _registered_reward(name: str | None) -> str | None:
     """A reward function name must be registered (checked by `areal check`, not at the first use)."""
-    REWARDS.validated(name)
+    if name is not None:
+        REWARDS.validated(name)
     return name
 
 
@@ -29,8 +30,13 @@ class SFTArgs(StrictModel):
     )
 
 
+# What the `returns` call makes and the actor's and critic's updates read: rewards become advantages
+# and returns once, with one KL controller (`kl_coef` is per-sample meta).
+RETURNS_OUTPUTS = ("advantages", "returns", "seq_scores", "kl_coef")
+
+
 class RewardShaping(StrictModel):
-    """How scores become per-token rewards; shared by the actor and the critic (keep them equal)."""
+    """How scores become per-token rewards: the `returns` call's, computed once for the actor and the critic."""
 
     reward_bias: float = Field(0.0, description="Shaped score = clip((score - bias) * scale, -clip, +clip).")
     reward_scaling: float = Field(1.0, description="Scale of the shaped score.")
@@ -58,15 +64,23 @@ class PPOActorArgs(StrictModel):
         default_factory=GenerationHyperparameters,
         description="Sampling for rollouts (n = samples per prompt).",
     )
-    shaping: RewardShaping = Field(default_factory=RewardShaping, description="Reward shaping and KL.")
+    shaping: RewardShaping = Field(
+        default_factory=RewardShaping,
+        description="Reward shaping and KL; the presets hand it to the returns call (the loss reads "
+        "kl_in_reward: KL in the loss when false).",
+    )
     mask_too_long: bool = Field(False, description="Drop truncated responses from the loss.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="KL estimator (k1 = log r, k3 = low variance)."
     )
-    adaptive_kl_target: float | None = Field(None, gt=0, description="Target KL of the adaptive controller.")
-    adaptive_kl_horizon: float = Field(10000, gt=0, description="Horizon of the adaptive KL controller.")
+    adaptive_kl_target: float | None = Field(
+        None, gt=0, description="Target KL of the adaptive controller (the presets' returns call has it)."
+    )
+    adaptive_kl_horizon: float = Field(
+        10000, gt=0, description="Horizon of the adaptive KL controller (the returns call's)."
+    )
     # --- advantages
-    gae_lambda: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    gae_lambda: float = Field(1.0, ge=0, le=1, description="GAE lambda (the presets' returns call uses it).")
     adv_norm: Literal["batch", "group", "none"] = Field(
         "batch",
         description="batch: over all tokens; group: per prompt group of n samples (GRPO; preset grpo's default).",
@@ -117,7 +131,7 @@ class PPOActorArgs(StrictModel):
     use_decoupled_loss: bool = Field(
         False,
         description="Decoupled PPO (asynchronous RL): the ratio against proximal log-probs recomputed by the "
-        "current policy before the update (the presets add an actor_prox call), times the behaviour weight "
+        "current policy before the update (the presets add a prox_logprobs call), times the behaviour weight "
         "pi_prox / pi_behaviour.",
     )
     behav_imp_weight_cap: float | None = Field(
@@ -126,8 +140,18 @@ class PPOActorArgs(StrictModel):
         description="With use_decoupled_loss: tokens whose behaviour weight exceeds this are capped "
         "(behav_imp_weight_mode); they stay in the loss's denominator.",
     )
-    behav_imp_weight_mode: Literal["mask", "truncate"] = Field(
-        "mask", description="mask: a capped token's loss is 0 (AReaL); truncate: its weight is the cap (TIS)."
+    behav_imp_weight_mode: Literal["mask", "truncate", "seq-mask", "seq-truncate"] = Field(
+        "mask",
+        description="mask: a capped token's loss is 0 (AReaL); truncate: its weight is the cap (TIS); "
+        "seq-mask / seq-truncate: one weight per sequence, the geometric mean of its token weights, "
+        "masked or truncated (sequence-level rollout correction).",
+    )
+    prox_logp_method: Literal["recompute", "loglinear", "rollout", "metrics"] = Field(
+        "recompute",
+        description="With use_decoupled_loss, the proximal log-probs: recompute (a forward pass, the "
+        "prox_logprobs call); loglinear (no forward pass: log pi_b + alpha (log pi_theta - log pi_b), "
+        "alpha = (V - v_b) / (V + 1 - v_b) from the sample's policy version v_b and the trainer's V); "
+        "rollout (the behaviour log-probs); metrics (recompute, and log the loglinear error).",
     )
     workflow: WorkflowSpec | None = Field(
         None,
@@ -135,7 +159,11 @@ class PPOActorArgs(StrictModel):
         "their output is appended, only the model's tokens train).",
     )
     # --- evaluation
-    eval_reward_fn: str = Field("math", description="Reward used for held-out accuracy (greedy decoding).")
+    eval_reward_fn: str | None = Field(
+        None,
+        description="Reward that scores held-out prompts (greedy decoding); default: the training reward "
+        "(a preset's reward_fn), else math.",
+    )
     eval_max_new_tokens: PositiveInt | None = Field(
         None, le=1 << 22, description="Default: generation.max_new_tokens."
     )
@@ -175,15 +203,21 @@ class PPOActorArgs(StrictModel):
             raise ValueError(
                 "behav_imp_weight_cap caps pi_prox / pi_behaviour, which exists with use_decoupled_loss: true"
             )
+        if self.prox_logp_method != "recompute" and not self.use_decoupled_loss:
+            raise ValueError(
+                f"prox_logp_method {self.prox_logp_method} chooses the decoupled loss's proximal log-probs: "
+                "set use_decoupled_loss: true"
+            )
         return self
 
 
 class PPOCriticArgs(StrictModel):
     """PPO critic: value inference and the clipped value loss."""
 
-    shaping: RewardShaping = Field(default_factory=RewardShaping, description="Keep equal to the actor's.")
     value_eps_clip: float = Field(0.2, gt=0, description="Clip of the value update around the old values.")
-    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda for the returns.")
+    gae_lambda: float = Field(
+        0.95, ge=0, le=1, description="GAE lambda of the returns (the presets' returns call: returns_lambda)."
+    )
     n_minibatches: PositiveInt = Field(1, le=1 << 16, description="Optimizer steps per batch.")
     lr_scale: float = Field(
         1.0, gt=0, description="Multiplier on the backend's learning rate for this interface's updates."

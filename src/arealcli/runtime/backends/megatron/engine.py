@@ -5,18 +5,21 @@ layout ``dp = world / (tp * pp)`` times. Every rank of one data-parallel replica
 must receive the same ``input_`` (the replica's slice of the global batch: slice by ``dp_rank`` /
 ``dp_world``); the engine checks that and fails loudly otherwise.
 
-A micro-batch of packed sequences runs like the hf backend's ``run_packed``: right-padded to (B, T),
-position ids 0..T-1 in every row, forward, logits re-packed to (tokens, vocab) with the same
-row-major order. No explicit attention mask is passed to megatron: with right padding, the causal
+A micro-batch of packed sequences runs right-padded to (B, T) (the hf backend's "padded" layout;
+megatron's packed-sequence attention needs Transformer Engine), position ids 0..T-1 in every row,
+forward, outputs re-packed to the tokens' packed order. No explicit attention mask is passed to megatron: with right padding, the causal
 mask already hides every pad from every real token (a real token at position t only sees positions
 <= t, all real), and without a mask SDPA stays on its fused causal kernel. Outputs at pad positions
 differ from the hf backend's and are dropped by the re-packing.
 
-Tensor parallelism: the last stage's logits are vocab-parallel (B, T, V/tp); they are all-gathered
-to the full vocab (autograd-aware: backward keeps each rank's slice of the gradient) so that
-``loss_fn`` sees exactly what it sees on the hf backend. The cost: every TP rank materialises the
-full (tokens, V) logits and their gradient, as a single GPU would. Megatron's vocab-parallel cross
-entropy avoids that, but cannot serve arbitrary ``loss_fn``s (PPO needs log-probs and entropy).
+The last stage returns an ``LMOutput``: the final hidden states (captured at the input of megatron's
+output layer, whose own matmul then runs on an empty slice) and this rank's vocab-parallel rows of the
+head (V_padded/tp of them, the padding rows cut off). Log-probs and entropy come from those chunk by
+chunk of tokens, vocab-parallel in the manner of megatron's ``vocab_parallel_cross_entropy`` (maximum,
+sum of exponentials, target logit and sum p z all-reduced over the tensor-parallel group; the hidden
+states' gradient summed over it), so no rank ever holds the (tokens, V) logits. A loss that takes packed
+logits gets them from ``.logits``: the local logits all-gathered to the full vocab (autograd-aware),
+as a single GPU would hold them.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from arealcli.runtime.algo.logprobs import VocabShard
 from arealcli.runtime.backends.megatron.schedule import Stage, run_schedule
 from arealcli.runtime.data.sample import SequenceSample
+from arealcli.runtime.engines.lm_output import LMOutput, as_lm_output
 from arealcli.runtime.engines.train import TrainEngine
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.optim import begin_step, require_optimizer
@@ -84,23 +89,50 @@ class MegatronEngine(TrainEngine):
 
     # ------------------------------------------------------------------ one micro-batch, one stage
 
-    def _forward_step(self, mb: SequenceSample, x: torch.Tensor | None) -> torch.Tensor:
+    def _forward_step(self, mb: SequenceSample, x: torch.Tensor | None) -> Any:
         """This stage's forward of one micro-batch. First stages read token ids, the others the
         received activation ``x`` [s, b, h]. Returns the activation to send on, or on the last
-        stage the packed full-vocab logits (tokens, V)."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
+        stage the micro-batch's ``LMOutput`` (tokens in packed order, the vocab-parallel head)."""
         ids, valid = mb.padded("packed_input_ids", pad_value=0)  # (B, T)
         ids = ids.to(self.device)
         b, s = ids.shape
         position_ids = torch.arange(s, device=self.device).expand(b, s)  # from 0 in every row
         if x is not None:
             self.gpt.set_input_tensor(x)
-        out = self.model(ids, position_ids, None)  # last stage (B, T, V_padded/tp), else [s, b, h]
         if not self.stage.last:
-            return out
-        logits = gather_from_tensor_model_parallel_region(out)  # (B, T, V_padded)
-        return logits[..., : self.vocab_size][valid.to(self.device)]  # (tokens, V), packed order
+            return self.model(ids, position_ids, None)  # [s, b, h]
+        captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def take_hidden(module, args, kwargs):
+            # the final hidden states [s, b, h] and the head's weight (the embeddings' when tied)
+            weight = kwargs.get("weight")
+            captured.append((args[0], module.weight if weight is None else weight))
+            return (args[0][:0], *args[1:]), kwargs  # the layer's own matmul: on no tokens
+
+        handle = self.gpt.output_layer.register_forward_pre_hook(take_hidden, with_kwargs=True)
+        try:
+            self.model(ids, position_ids, None)
+        finally:
+            handle.remove()
+        hidden, weight = captured[0]
+        hidden = hidden.transpose(0, 1)[valid.to(self.device)]  # (tokens, h), packed order
+        return self._lm_output(hidden, weight)
+
+    def _lm_output(self, hidden: torch.Tensor, weight: torch.Tensor) -> LMOutput:
+        """This rank's rows [start, start + V_r) of the head, without megatron's vocabulary padding."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        rows = weight.shape[0]  # V_padded / tp
+        start = self.tp_rank * rows
+        valid = max(0, min(rows, self.vocab_size - start))
+        shard = VocabShard(ps.get_tensor_model_parallel_group(), start, valid) if self.tp_world > 1 else None
+
+        def full_logits(h: torch.Tensor) -> torch.Tensor:  # (tokens, V), as one GPU would hold them
+            local = torch.nn.functional.linear(h, weight)  # (tokens, V_padded/tp)
+            return gather_from_tensor_model_parallel_region(local)[..., : self.vocab_size]
+
+        return LMOutput(hidden, weight[:valid], shard=shard, logits_fn=full_logits)
 
     def _activation_shape(self, mb: SequenceSample) -> tuple[int, int, int]:
         return (max(mb.seqlens["packed_input_ids"]), mb.bs, self.hf_config.hidden_size)  # [s, b, h]
@@ -205,9 +237,9 @@ class MegatronEngine(TrainEngine):
             )
             picked = torch.zeros(2, B, dtype=torch.float64, device=self.device)  # [token; logp]
 
-            def sample_next(cur: SequenceSample, logits: torch.Tensor, t=t, picked=picked) -> None:
-                last = (cur.cu_seqlens("packed_input_ids")[1:] - 1).to(self.device)
-                nxt = logits[last].float()  # (B, V) logits of each sequence's next token
+            def sample_next(cur: SequenceSample, outputs: Any, t=t, picked=picked) -> None:
+                last = cur.cu_seqlens("packed_input_ids")[1:] - 1
+                nxt = as_lm_output(outputs).rows(last).logits.float()  # (B, V) each sequence's next token
                 if t < g.min_new_tokens:
                     nxt[:, stop] = float("-inf")
                 token, logp = generation.sample(nxt, g)

@@ -68,8 +68,8 @@ class Stage:
 def run_schedule(
     stage: Stage,
     mbs: Sequence[Any],
-    forward_step: Callable[[Any, torch.Tensor | None], torch.Tensor],
-    last_stage_fn: Callable[[Any, torch.Tensor], torch.Tensor | None],
+    forward_step: Callable[[Any, torch.Tensor | None], Any],
+    last_stage_fn: Callable[[Any, Any], torch.Tensor | None],
     activation_shape: Callable[[Any], tuple[int, ...]],
     dtype: torch.dtype,
     device: torch.device,

@@ -1,0 +1,108 @@
+"""`areal export RUN [--step N] [--model NAME] -o DIR [--adapter] [--force] [--push-to-hub REPO]`: a run's
+checkpoint as a self-contained Hugging Face folder with a model card."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from arealcli.commands.common import console, fail
+from arealcli.errors import UserError
+
+TRUE = ("1", "ON", "YES", "TRUE")
+
+
+def export(
+    run_dir: Path = typer.Argument(
+        ..., metavar="RUN", help="A run directory of areal train (or one of its checkpoints)."
+    ),
+    output: Path = typer.Option(
+        ..., "--output", "-o", metavar="DIR", help="The folder to write (new or empty)."
+    ),
+    step: int = typer.Option(
+        None, "--step", min=0, metavar="N", help="The checkpoint of step N (default: the latest)."
+    ),
+    model: str = typer.Option(
+        None, "--model", metavar="NAME", help="Which model (default: the one the recipe generates with)."
+    ),
+    adapter: bool = typer.Option(
+        False, "--adapter", metavar="", help="LoRA runs: the adapters alone (peft) instead of merged weights."
+    ),
+    force: bool = typer.Option(
+        False, "--force", metavar="", help="Replace DIR if an earlier areal export wrote it."
+    ),
+    push_to_hub: str = typer.Option(
+        None,
+        "--push-to-hub",
+        metavar="REPO",
+        help="Then upload the folder to this Hub repository (owner/name).",
+    ),
+) -> None:
+    """Export a run's checkpoint as a Hugging Face model folder with a model card.
+
+    Examples:
+    areal export runs/quickstart -o exports/quickstart
+    areal export runs/quickstart --step 200 --model actor -o exports/qs-200
+    areal export runs/qwen-lora --adapter -o exports/qwen-lora-adapter
+    areal export runs/quickstart -o exports/qs --push-to-hub me/quickstart
+    """
+    if push_to_hub is not None:
+        _check_hub(push_to_hub)
+    from arealcli.runtime.run.export import export as write_export
+    from arealcli.runtime.run.targets import find_model
+
+    try:
+        found = find_model(run_dir, model, step)
+        if found.run_dir is None:
+            raise UserError(f"{run_dir} is a model folder, not a run directory: there is nothing to export")
+        out = write_export(found, output, adapter, force)
+    except UserError as e:
+        raise fail(e.lines) from None
+    what = "adapters" if adapter else "model"
+    console.print(
+        f"exported {what} {found.model} of {found.run_dir} at step {found.step} to {out} "
+        f"(model card: {out / 'README.md'})",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if push_to_hub is not None:
+        _push(out, push_to_hub)
+
+
+def _check_hub(repo: str) -> None:
+    """Before anything is written: a valid repository name, and a Hub that can be reached."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        raise fail([f"--push-to-hub {repo}: not a repository name (owner/name): {e}"]) from None
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in TRUE:
+        raise fail(
+            [
+                "--push-to-hub: HF_HUB_OFFLINE is set, so nothing can be uploaded and nothing was exported; "
+                "export without --push-to-hub (upload the folder later: hf upload REPO DIR), or unset "
+                "HF_HUB_OFFLINE"
+            ]
+        )
+
+
+def _push(out: Path, repo: str) -> None:
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo, exist_ok=True)
+        info = api.upload_folder(repo_id=repo, folder_path=str(out), commit_message="areal export")
+    except Exception as e:  # network, authentication, permissions: the folder itself is complete
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise fail(
+            [
+                f"--push-to-hub {repo}: the upload failed ({type(e).__name__}: {first}); the folder {out} is "
+                f"complete: upload it with `hf upload {repo} {out}` once that is fixed (`hf auth login`)"
+            ]
+        ) from None
+    console.print(f"uploaded {out} to {getattr(info, 'commit_url', repo)}", highlight=False, soft_wrap=True)

@@ -1,0 +1,164 @@
+"""Rows for a micro-batch's forward: sequences packed side by side, so nothing is computed on padding.
+
+A micro-batch of B sequences runs as R rows of T tokens, each sequence's position ids restarting at 0.
+"padded": one sequence per row (R = B, T = the longest), the rest padding. "packed": with a varlen
+attention every sequence goes into one row (R = 1, T = the micro-batch's tokens: no padding at all):
+the `sdpa` models of our backends attend within each sequence by one causal SDPA call per sequence
+(`VARLEN_SDPA`: the same fused causal kernel as a padded batch, and sum_i L_i^2 attention work), a
+flash-attention model by its varlen kernel. Without one (eager attention, sliding-window layers) the
+sequences are spread over rows of max(longest, `ROW_TOKENS`) tokens by a balanced longest-first
+partition, and transformers turns the restarting position ids into a block-diagonal causal mask; the
+padding at the end of a row is a sequence of its own, its outputs dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from arealcli.runtime.data.sample import pack_bins
+
+# Row capacity of the "packed" layout without a varlen kernel (at least the longest sequence): the
+# attention of a row with a mask costs T^2 whatever the mask, and its mask takes T^2 memory.
+ROW_TOKENS = 512
+# The attention implementation our backends give `sdpa` models, and the forward keyword that carries the
+# sequences' boundaries in a packed row to it.
+VARLEN_SDPA = "arealcli_varlen_sdpa"
+CU_SEQLENS = "arealcli_cu_seqlens"
+
+
+@dataclass
+class Rows:
+    ids: torch.Tensor  # (R, T) token ids, padded with 0
+    position_ids: torch.Tensor | None  # (R, T), restarting at 0 for every sequence; None: 0..T-1
+    index: torch.Tensor  # (N,) flat position in (R, T) of each packed token, in packed order
+    cu_seqlens: list[int]  # with one packed row: where its sequences start, and its end; else []
+
+
+def takes_position_ids(module) -> bool:
+    """Whether the module is a transformers model (bare or peft-wrapped), whose attention follows
+    per-sequence position ids."""
+    from transformers import PreTrainedModel
+
+    base = module.get_base_model() if callable(getattr(module, "get_base_model", None)) else module
+    return isinstance(base, PreTrainedModel)
+
+
+def attention_implementation(name: str, config) -> str:
+    """The implementation a backend sets on a transformers config for the recipe's `attn_implementation`:
+    `VARLEN_SDPA` for "sdpa" (per-sequence attention in packed rows; plain SDPA otherwise) unless some
+    layers use sliding windows, else `name` itself."""
+    sliding = getattr(config, "use_sliding_window", False) or any(
+        t != "full_attention" for t in getattr(config, "layer_types", None) or []
+    )
+    if name != "sdpa" or sliding:
+        return name
+    register_varlen_sdpa()
+    return VARLEN_SDPA
+
+
+def register_varlen_sdpa() -> None:
+    """Register `VARLEN_SDPA` with transformers (attention and mask functions); idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_SDPA, varlen_sdpa_mask)
+
+
+def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' SDPA attention, or with `CU_SEQLENS` (one packed row) causal SDPA within each
+    sequence: out[:, s:e] = SDPA(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu = kwargs.pop(CU_SEQLENS, None)
+    if cu is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    gqa = query.shape[1] != key.shape[1]  # query (1, heads, N, d); key, value (1, kv_heads, N, d)
+    parts = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa,
+        )
+        for s, e in zip(cu[:-1], cu[1:], strict=True)
+    ]  # fmt: skip
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None  # (1, N, heads, d)
+
+
+def varlen_sdpa_mask(*, attention_mask=None, q_length=0, kv_length=0, q_offset=0, kv_offset=0, **kwargs):
+    """transformers' SDPA mask, but none for a full forward without a padding mask: there the attention
+    is causal (one sequence) or per sequence (a packed row, `CU_SEQLENS`)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None and q_length == kv_length and not q_offset and not kv_offset:
+        return None
+    return sdpa_mask(
+        attention_mask=attention_mask,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        **kwargs,
+    )
+
+
+def varlen_attention(module) -> str | None:
+    """How the module attends within each sequence of one packed row: "sdpa" (`VARLEN_SDPA`),
+    "flash" (transformers' flash-attention varlen path, from the position ids), or None."""
+    config = getattr(module, "config", None)
+    impl = str(getattr(config, "_attn_implementation", ""))
+    if impl == VARLEN_SDPA:
+        return "sdpa"
+    return "flash" if impl.startswith("flash_attention") else None
+
+
+def row_capacity(module, lens: list[int]) -> int:
+    """Tokens per packed row: all of them with a varlen attention, else max(longest, ROW_TOKENS)."""
+    if varlen_attention(module) is not None:
+        return max(sum(lens), 1)
+    return max(max(lens, default=1), ROW_TOKENS)
+
+
+def rows_of(lens: list[int], layout: str, capacity: int) -> list[list[int]]:
+    """The sample indices in each row."""
+    if layout == "padded":
+        return [[i] for i in range(len(lens))]
+    if layout != "packed":
+        raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
+    return pack_bins(lens, 1, capacity)
+
+
+def build_rows(ids: torch.Tensor, lens: list[int], rows: list[list[int]], with_positions: bool) -> Rows:
+    """The (R, T) batch of `rows` (sample indices per row) from packed ids (N,) with lengths `lens`."""
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    width = max((sum(lens[i] for i in row) for row in rows), default=0)
+    out = ids.new_zeros(len(rows), width)
+    pos = torch.zeros(len(rows), width, dtype=torch.long) if with_positions else None
+    index = torch.empty(sum(lens), dtype=torch.long)
+    for r, row in enumerate(rows):
+        col = 0
+        for i in row:
+            n = lens[i]
+            out[r, col : col + n] = ids[starts[i] : starts[i] + n]
+            if pos is not None:
+                pos[r, col : col + n] = torch.arange(n)
+            index[starts[i] : starts[i] + n] = torch.arange(r * width + col, r * width + col + n)
+            col += n
+        if pos is not None:
+            pos[r, col:] = torch.arange(width - col)  # the padding: a sequence of its own
+    cu = [0]
+    if len(rows) == 1:
+        for i in rows[0]:
+            cu.append(cu[-1] + lens[i])
+    return Rows(out, pos, index, cu if len(rows) == 1 else [])
+
+
+def computed_positions(module, lens: list[int], layout: str) -> int:
+    """Positions the forward computes (R x T) for sequences of `lens` in `layout`."""
+    rows = rows_of(lens, layout, row_capacity(module, lens))
+    return len(rows) * max((sum(lens[i] for i in row) for row in rows), default=0)
