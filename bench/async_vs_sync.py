@@ -52,6 +52,7 @@ CONFIGS: dict[str, tuple[Path, list[str]]] = {
     "sync placed": (ASYNC, SYNC_PLACED),
     "async K=2 placed": (ASYNC, PLACED),
     "async K=2 recompute placed": (ASYNC, [*RECOMPUTE, *PLACED]),
+    "async K=2 loglinear placed": (ASYNC, [*LOGLINEAR, *PLACED]),
 }
 DEFAULT = ["sync", "async K=2", "async K=2 recompute", "async K=4 plain"]
 

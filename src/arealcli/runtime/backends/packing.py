@@ -3,8 +3,9 @@
 A micro-batch of B sequences runs as R rows of T tokens, each sequence's position ids restarting at 0.
 "padded": one sequence per row (R = B, T = the longest), the rest padding. "packed": with a varlen
 attention every sequence goes into one row (R = 1, T = the micro-batch's tokens: no padding at all):
-the `sdpa` models of our backends attend within each sequence by one causal SDPA call per sequence
-(`VARLEN_SDPA`: the same fused causal kernel as a padded batch, and sum_i L_i^2 attention work), a
+the `sdpa` models of our backends attend within each sequence by causal SDPA, one batched call per
+distinct sequence length (`VARLEN_SDPA`: the same fused causal kernel as a padded batch, and sum_i L_i^2
+attention work), a
 flash-attention model by its varlen kernel. Without one (eager attention, sliding-window layers) the
 sequences are spread over rows of max(longest, `ROW_TOKENS`) tokens by a balanced longest-first
 partition, and transformers turns the restarting position ids into a block-diagonal causal mask; the
@@ -69,7 +70,9 @@ def register_varlen_sdpa() -> None:
 
 def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' SDPA attention, or with `CU_SEQLENS` (one packed row) causal SDPA within each
-    sequence: out[:, s:e] = SDPA(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True)."""
+    sequence: out[:, s:e] = SDPA(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True), run as one
+    batched call per distinct sequence length (the sequences of length L gathered into an (n_L, heads,
+    L, d) batch): no padding, and as few kernel launches as there are lengths, not sequences."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop(CU_SEQLENS, None)
@@ -78,14 +81,42 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     gqa = query.shape[1] != key.shape[1]  # query (1, heads, N, d); key, value (1, kv_heads, N, d)
-    parts = [
-        torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-            dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa,
-        )
-        for s, e in zip(cu[:-1], cu[1:], strict=True)
-    ]  # fmt: skip
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None  # (1, N, heads, d)
+    groups, inverse = length_groups(tuple(cu), query.device)
+    q, k, v = query[0], key[0], value[0]  # (heads, N, d)
+    parts = []
+    for length, n, idx in groups:
+        qg, kg, vg = (x[:, idx].view(x.shape[0], n, length, x.shape[-1]).transpose(0, 1) for x in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qg, kg, vg, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
+        )  # (n, h, L, d)
+        parts.append(o.transpose(0, 1).reshape(q.shape[0], n * length, q.shape[-1]))
+    out = torch.cat(parts, dim=1)[:, inverse]  # (h, N, d) back in packed order
+    return out.transpose(0, 1).unsqueeze(0).contiguous(), None  # (1, N, heads, d)
+
+
+_GROUPS: dict = {}
+
+
+def length_groups(cu: tuple[int, ...], device) -> tuple[list[tuple[int, int, torch.Tensor]], torch.Tensor]:
+    """The sequences of a packed row (boundaries `cu`) grouped by length: per length L, (L, how many, the
+    packed positions of their tokens, sequence after sequence); and the permutation that puts the
+    concatenated groups back in packed order. Cached: every layer of a forward asks for the same."""
+    key = (cu, str(device))
+    if key not in _GROUPS:
+        by_length: dict[int, list[int]] = {}
+        for s, e in zip(cu[:-1], cu[1:], strict=True):
+            by_length.setdefault(e - s, []).append(s)
+        groups = []
+        for length, starts in sorted(by_length.items()):
+            idx = (torch.tensor(starts)[:, None] + torch.arange(length)[None]).reshape(-1)
+            groups.append((length, len(starts), idx.to(device)))
+        order = torch.cat([g[2] for g in groups]) if groups else torch.zeros(0, dtype=torch.long)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        if len(_GROUPS) > 64:  # one micro-batch's entry is reused by its layers, forward and backward
+            _GROUPS.clear()
+        _GROUPS[key] = (groups, inverse.to(device))
+    return _GROUPS[key]
 
 
 def varlen_sdpa_mask(*, attention_mask=None, q_length=0, kv_length=0, q_offset=0, kv_offset=0, **kwargs):
