@@ -46,3 +46,47 @@ def test_available_cpus_is_the_affinity():
     import os
 
     assert threads.available_cpus() <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.slow
+def test_the_same_run_beside_a_busy_process_gives_the_same_numbers(ws):
+    """`trainer.threads: auto` (the default) fixes torch's thread count for the run: a neighbour that
+    keeps a core busy slows the run, it does not change its results (and it is said once)."""
+    import json
+    import os
+
+    import yaml
+    from test_async import grpo
+
+    if threads.available_cpus() < 2 or not threads.enabled():
+        pytest.skip("needs two CPUs, Linux's /proc and no OMP_NUM_THREADS")
+    recipe = yaml.safe_load(grpo(ws, reward_fn="math").read_text())  # registered in every process
+    recipe["trainer"].update({"max_steps": 4, "eval_every_n_steps": None, "save_every_n_steps": None})
+    path = ws.text("fixed.yaml", yaml.safe_dump(recipe, sort_keys=False))
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+
+    def train(run: str) -> tuple[list[dict], str]:
+        done = subprocess.run(
+            [sys.executable, "-m", "arealcli.main", "train", str(path), "-o", str(ws.root / run)],
+            capture_output=True, text=True, timeout=600, env=env, cwd=ws.root,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows = [json.loads(x) for x in (ws.root / run / "metrics.jsonl").read_text().splitlines()]
+        return rows, done.stdout + done.stderr
+
+    alone, _ = train("alone")
+    hogs = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(threads.available_cpus() - 1)]
+    try:
+        time.sleep(0.5)
+        busy, said = train("busy")
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+    def numbers(rows: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "sys/other_load"))} for r in rows]
+
+    assert numbers(busy) == numbers(alone)
+    assert all(r["sys/torch_threads"] == threads.available_cpus() for r in busy)
+    assert "other processes are using about" in " ".join(said.split())

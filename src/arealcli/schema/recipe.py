@@ -189,6 +189,13 @@ class TrainerSpec(StrictModel):
         description="Metric keys shown on the progress line (e.g. actor_train/reward, eval/accuracy); "
         "default: each training call's reward or loss and its held-out score.",
     )
+    threads: PositiveInt | Literal["auto", "adaptive"] = Field(
+        "auto",
+        description="torch CPU threads of the training process. auto: the cores it may use (affinity, "
+        "cgroup quota, placed cpus), fixed for the run, so other load slows it but never changes its "
+        "results (a resume keeps the count); adaptive: follow the cores other processes leave free "
+        "(re-measured every 5 s); N: exactly N. OMP_NUM_THREADS, when set, wins.",
+    )
 
 
 class RolloutSpec(StrictModel):

@@ -2,8 +2,8 @@
 worker it launches (the console and the header on the reporting rank only).
 
     run(recipe, recipe_path, run_dir, resume, display, stop)
-      placement (the training backends' cpus/devices), then the thread policy (torch threads follow
-      the free cores of those, unless OMP_NUM_THREADS fixes them)
+      placement (the training backends' cpus/devices), then torch's thread count (`trainer.threads`:
+      fixed for the run by default, or following the free cores; OMP_NUM_THREADS wins)
       Trainer(..., hooks) -> setup -> header and notes -> train -> close
 """
 
@@ -56,9 +56,7 @@ def run(
     from arealcli.runtime.console.progress import ConsoleProgress, default_metrics, header
 
     cores = threads.place_trainer(recipe)  # the training backends' `cpus` / `devices`
-    policy = threads.ThreadPolicy(cores=cores) if threads.enabled() else None
-    if policy is not None:
-        policy.measure_now()
+    policy = threads.thread_setting(recipe.trainer.threads, cores, run_dir, resume)
     progress = None
     if display is not None:
         metrics = recipe.trainer.console_metrics or default_metrics(recipe.dataflow.calls)
@@ -90,7 +88,7 @@ def run(
             t0 = time.perf_counter()  # this session's training time (setup excluded)
             if display is not None and progress is not None:
                 header(display.console, trainer.describe(recipe_path))
-                for note in trainer.notes:
+                for note in [*trainer.notes, *busy_note(policy)]:
                     display.note(note)
                 progress.start(trainer.global_step, trainer.total_steps)
             trainer.train()
@@ -105,3 +103,14 @@ def run(
         if stop is not None:
             stop.restore()
     return RunResult(trainer.global_step, time.perf_counter() - t0, start_step)
+
+
+def busy_note(policy) -> list[str]:
+    """Said once when a fixed thread count computes beside a busy neighbour."""
+    if not isinstance(policy, threads.FixedThreads) or policy.other_load < 0.5:
+        return []
+    return [
+        f"other processes are using about {policy.other_load:.1f} cores: this run keeps its "
+        f"{policy.threads} torch thread(s) (the same results as alone, more slowly); "
+        "trainer.threads: adaptive follows the load instead"
+    ]

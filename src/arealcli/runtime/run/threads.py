@@ -7,6 +7,10 @@ bench/shared_machine.py). So the trainer measures, every `interval_s`, how much 
 (the machine's busy time from /proc/stat minus this process's own), and sets torch's thread count to the
 cores left, at least one: all of them on an idle machine, fewer beside a neighbour.
 
+The default (`trainer.threads: auto`) fixes the count for the run instead (`FixedThreads`): the cores
+this process may use, so the same command gives the same numbers beside a busy neighbour; the measured
+load is only said. The load-following policy below is `trainer.threads: adaptive`.
+
 Off when the user chose a count (OMP_NUM_THREADS) or set AREALCLI_THREAD_POLICY=off; Linux only.
 
 Placement (`cpus` of the training backends) comes first: `place_trainer` pins every thread of the
@@ -193,3 +197,69 @@ class ThreadPolicy:
             torch.set_num_threads(threads)
             self.threads = threads
         return threads
+
+
+class FixedThreads:
+    """The default (`trainer.threads: auto` or N): one torch thread count for the whole run, whatever
+    else runs, so a run's numbers depend on the machine and the count, never on a neighbour's load.
+    `other_load` is the busy cores measured once at the start (said on the console, not followed)."""
+
+    def __init__(self, threads: int, other_load: float):
+        import torch
+
+        torch.set_num_threads(threads)
+        self.threads = threads
+        self.other_load = other_load
+
+    def update(self) -> int:
+        return self.threads
+
+
+def measure_other_load(cores: Iterable[int] | None = None, seconds: float = 0.2) -> float:
+    """Cores busy with other processes over `seconds` (of the machine, or of `cores`); 0 off Linux."""
+    probe = ThreadPolicy(cores=cores)
+    if probe._last is None:
+        return 0.0
+    time.sleep(seconds)
+    current = _sample(probe.cores)
+    if current is None:
+        return 0.0
+    busy, total, own = (c - p for c, p in zip(current, probe._last, strict=True))
+    return max(0.0, (busy - own) / total * probe.machine_cpus) if total > 0 else 0.0
+
+
+def last_thread_count(run_dir: Path) -> int | None:
+    """The torch thread count a run logged last (`sys/torch_threads` in metrics.jsonl), for a resume."""
+    import json
+
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            value = json.loads(line).get("sys/torch_threads")
+        except ValueError:
+            continue
+        if value:
+            return int(value)
+    return None
+
+
+def thread_setting(setting: int | str, cores: list[int] | None, run_dir: Path, resume: bool) -> Any:
+    """The training process's thread count for `trainer.threads` (None when OMP_NUM_THREADS or
+    AREALCLI_THREAD_POLICY=off decides): an adaptive ThreadPolicy, or FixedThreads — `auto` is the cores
+    this process may use (the placed ones when placed), a resumed run keeps the count it ran with."""
+    if not enabled():
+        return None
+    if setting == "adaptive":
+        policy = ThreadPolicy(cores=cores)
+        policy.measure_now()
+        return policy
+    if isinstance(setting, int):
+        count = setting
+    else:
+        count = (last_thread_count(run_dir) if resume else None) or (
+            len(cores) if cores else available_cpus()
+        )
+    return FixedThreads(count, measure_other_load(cores))
