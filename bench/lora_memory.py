@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-SHAPE = {
+QWEN2_0_5B = {  # Qwen2-0.5B's layer shapes (bench/weight_sync.py uses them too)
     "hidden_size": 896,
     "num_hidden_layers": 24,
     "num_attention_heads": 14,
@@ -28,6 +28,7 @@ SHAPE = {
     "vocab_size": 151936,
     "tie_word_embeddings": True,
 }
+SHAPE = QWEN2_0_5B
 CONFIGS = {"full": None, "lora r=8": {"rank": 8, "alpha": 16.0}, "lora r=64": {"rank": 64, "alpha": 128.0}}
 
 

@@ -38,16 +38,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from lora_memory import QWEN2_0_5B  # noqa: E402  (the Qwen2-0.5B layer shapes, one copy)
+
 SHAPE = {
-    "hidden_size": 896,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "intermediate_size": 4864,
-    "vocab_size": 151936,
+    **{k: v for k, v in QWEN2_0_5B.items() if k != "tie_word_embeddings"},
     "max_position_embeddings": 512,
 }
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_module(tied: bool, tokenizer):

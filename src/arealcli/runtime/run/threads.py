@@ -177,6 +177,17 @@ class ThreadPolicy:
         self._last_t = 0.0
         return self.update()
 
+    def measure(self) -> float:
+        """Cores busy with other processes since the last sample (kept as `other_load`)."""
+        current = _sample(self.cores)
+        if current is not None and self._last is not None:
+            busy, total, own = (c - p for c, p in zip(current, self._last, strict=True))
+            if total > 0:
+                # total ticks are summed over every CPU counted: busy share x CPUs = cores in use
+                self.other_load = max(0.0, (busy - own) / total * self.machine_cpus)
+        self._last = current
+        return self.other_load
+
     def update(self) -> int:
         """Re-measure if `interval_s` has passed; set and return torch's thread count."""
         import torch
@@ -184,14 +195,8 @@ class ThreadPolicy:
         now = time.monotonic()
         if self.threads is not None and now - self._last_t < self.interval_s:
             return self.threads
-        current = _sample(self.cores)
-        if current is not None and self._last is not None:
-            busy, total, own = (c - p for c, p in zip(current, self._last, strict=True))
-            if total > 0:
-                # total ticks are summed over every CPU counted: busy share x CPUs = cores in use
-                others = max(0.0, (busy - own) / total * self.machine_cpus)
-                self.other_load = others
-        self._last, self._last_t = current, now
+        self.measure()
+        self._last_t = now
         threads = max(1, min(self.cpus, round(self.cpus - self.other_load)))
         if threads != self.threads:
             torch.set_num_threads(threads)
@@ -218,14 +223,8 @@ class FixedThreads:
 def measure_other_load(cores: Iterable[int] | None = None, seconds: float = 0.2) -> float:
     """Cores busy with other processes over `seconds` (of the machine, or of `cores`); 0 off Linux."""
     probe = ThreadPolicy(cores=cores)
-    if probe._last is None:
-        return 0.0
     time.sleep(seconds)
-    current = _sample(probe.cores)
-    if current is None:
-        return 0.0
-    busy, total, own = (c - p for c, p in zip(current, probe._last, strict=True))
-    return max(0.0, (busy - own) / total * probe.machine_cpus) if total > 0 else 0.0
+    return probe.measure()
 
 
 def last_thread_count(run_dir: Path) -> int | None:
