@@ -250,3 +250,16 @@ def test_proximal_logprob_methods(char_tok):
 def test_prox_logp_method_needs_the_decoupled_loss():
     with pytest.raises(ValueError, match="set use_decoupled_loss: true"):
         PPOActorArgs(prox_logp_method="loglinear")
+
+
+def test_the_ppo_loss_takes_the_chunked_output():
+    """The update passes its loss as a partial (the step's KL coefficient bound): it must still get the
+    LMOutput (log-probs chunk by chunk), not materialized full-vocabulary logits."""
+    import functools
+
+    from arealcli.runtime.engines.lm_output import LMOutput, outputs_for
+
+    iface = PPOActorInterface(PPOActorArgs())
+    lm = LMOutput.from_logits(torch.randn(5, 11))
+    assert outputs_for(functools.partial(iface._loss_fn, kl_coef=0.1), lm) is lm
+    assert isinstance(outputs_for(lambda out, mb: out, lm), torch.Tensor)  # an unmarked loss: logits

@@ -258,7 +258,7 @@ class PPOActorInterface(ModelInterface):
                     s = model.module.train_batch(
                         train.subset(idx),
                         mb_spec,
-                        takes_lm_output(functools.partial(self._loss_fn, kl_coef=r.kl_coef)),
+                        functools.partial(self._loss_fn, kl_coef=r.kl_coef),  # still marked (outputs_for)
                         self._loss_weight,
                         version_steps=model.version.global_step,
                         lr_scale=a.lr_scale,
