@@ -93,6 +93,19 @@ def shaped_scores(
     return F.shape_scores(scores, s.reward_bias, s.reward_scaling, s.max_reward_clip)
 
 
+def _views(data: SequenceSample) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(B, T) response views: the action mask, the k1 KL of the behaviour policy to the reference
+    (None without reference log-probs), and the values (0 without a critic)."""
+    old_logp, mask = response_view(data.data["packed_logprobs"].float(), data)
+    kl = None
+    if "packed_ref_logprobs" in data.data:
+        ref_logp, _ = response_view(data.data["packed_ref_logprobs"].float(), data)
+        kl = F.kl_estimate(old_logp, ref_logp, "k1") * mask
+    if "values" in data.data:
+        return mask, kl, response_view(data.data["values"].float(), data)[0]
+    return mask, kl, torch.zeros_like(old_logp)
+
+
 def compute_returns(
     data: SequenceSample,
     s: RewardShaping,
@@ -104,22 +117,15 @@ def compute_returns(
     """Shaped scores -> per-token rewards (KL penalty with coefficient `kl_coef` when in the reward) ->
     GAE: advantages with `gae_lambda`, returns (the critic's targets) with `returns_lambda` (default the
     same). Computed by the `returns` call only; the actor and the critic read its keys (`given_returns`)."""
-    old_logp, mask = response_view(data.data["packed_logprobs"].float(), data)  # (B, T)
+    mask, kl, values = _views(data)
     no_eos = data.data["seq_no_eos_mask"].bool()  # (B,)
-    resp_len = mask.sum(-1)
-    scores = shaped_scores(data.data["rewards"], no_eos, resp_len, s, max_new_tokens)
-    kl = None
-    if "packed_ref_logprobs" in data.data:
-        ref_logp, _ = response_view(data.data["packed_ref_logprobs"].float(), data)
-        kl = F.kl_estimate(old_logp, ref_logp, "k1") * mask
-    if "values" in data.data:
-        values, _ = response_view(data.data["values"].float(), data)
-        # bootstrap from the final state's value only for truncated responses
-        bootstrap = torch.where(
-            no_eos, final_state_values(data.data["values"].float(), data), torch.zeros_like(scores)
-        )
-    else:
-        values, bootstrap = torch.zeros_like(old_logp), torch.zeros_like(scores)
+    scores = shaped_scores(data.data["rewards"], no_eos, mask.sum(-1), s, max_new_tokens)
+    # bootstrap from the final state's value only for truncated responses
+    bootstrap = (
+        torch.where(no_eos, final_state_values(data.data["values"].float(), data), torch.zeros_like(scores))
+        if "values" in data.data
+        else torch.zeros_like(scores)
+    )
     rewards = F.token_rewards(
         scores, mask, kl if s.kl_in_reward else None, kl_coef if s.kl_in_reward else 0.0
     )
@@ -138,16 +144,7 @@ def given_returns(data: SequenceSample, caller: str) -> Returns:
             f"{caller} needs {', '.join(missing)} from a `returns` call before it (interface `returns`; "
             "the grpo and ppo presets add one)"
         )
-    old_logp, mask = response_view(data.data["packed_logprobs"].float(), data)  # (B, T)
-    kl = None
-    if "packed_ref_logprobs" in data.data:
-        ref_logp, _ = response_view(data.data["packed_ref_logprobs"].float(), data)
-        kl = F.kl_estimate(old_logp, ref_logp, "k1") * mask
-    values = (
-        response_view(data.data["values"].float(), data)[0]
-        if "values" in data.data
-        else torch.zeros_like(old_logp)
-    )
+    mask, kl, values = _views(data)
     adv, _ = response_view(data.data["advantages"].float(), data)
     ret, _ = response_view(data.data["returns"].float(), data)
     kl_coef = float(data.meta["kl_coef"][0]) if data.bs else 0.0
