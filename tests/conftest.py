@@ -209,3 +209,33 @@ def with_returns(data, **args: Any):
 
     data.update_(ReturnsInterface(ReturnsArgs(**args)).inference(None, data, MicroBatchSpec()))
     return data
+
+
+# the served-model fixtures of the server and fault tests
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, char_tok) -> Path:
+    d = tmp_path_factory.mktemp("served-model")
+    tiny_module(char_tok, seed=0).save_pretrained(d)
+    char_tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def loop():
+    """A client event loop; clients made with `loop.client(...)` are closed at the end."""
+    from arealcli.runtime.clients.client import EventLoopThread, GenerationClient
+
+    loop = EventLoopThread()
+    clients: list = []
+
+    def client(addresses, **kwargs) -> GenerationClient:
+        clients.append(GenerationClient(addresses, **kwargs))
+        return clients[-1]
+
+    loop.client = client
+    yield loop
+    for c in clients:
+        loop.run(c.aclose(), timeout=5)
+    loop.close()

@@ -66,7 +66,9 @@ def trained(tmp_path_factory, char_tok):
     batch = batch.select(["packed_input_ids", "prompt_mask", "loss_mask"])
     # lr 1e-2 fits fast but not smoothly: at a loss of 0.02 a greedy answer can still be one token off
     # under some kernel sets (default: "[417*384" at 0.017); below 0.002 every one measured is exact
-    train_until(lambda: sft.train_step(model, batch, MicroBatchSpec()), lambda s: s["loss"] < 0.002, 150, 1000)
+    train_until(
+        lambda: sft.train_step(model, batch, MicroBatchSpec()), lambda s: s["loss"] < 0.002, 150, 1000
+    )
     model.module.save_to_hf(char_tok, str(root / "model"))
     return root / "model", data
 

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from arealcli.runtime.backends.hf import HFBackend
 from arealcli.runtime.backends.sglang import SGLangBackend, prompt_groups
 from arealcli.runtime.clients import launcher
-from arealcli.runtime.clients.client import EventLoopThread, GenerationClient, GenerationServerError
+from arealcli.runtime.clients.client import GenerationClient, GenerationServerError
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.sft import SFTInterface
 from arealcli.runtime.models.model import FinetuneSpec, Model
@@ -36,7 +36,6 @@ from arealcli.runtime.wire.sglang import generate_payload, sampling_params, upda
 from arealcli.schema.components.backends import HFBackendArgs, SGLangBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import SFTArgs
-from tests.conftest import tiny_module
 
 SPEC = FinetuneSpec(1, 8, 8, 100)
 PROMPT = [20, 21, 22]  # char-tokenizer ids
@@ -95,14 +94,6 @@ def run_in_thread(fn):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, char_tok) -> Path:
-    d = tmp_path_factory.mktemp("served-model")
-    tiny_module(char_tok, seed=0).save_pretrained(d)
-    char_tok.save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     servers = start_servers(model_dir, tmp_path_factory.mktemp("logs"))
     yield servers[0]
@@ -114,23 +105,6 @@ def reference(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture
-def loop():
-    """A client event loop; clients made with `loop.client(...)` are closed at the end."""
-    loop = EventLoopThread()
-    clients: list[GenerationClient] = []
-
-    def client(addresses, **kwargs) -> GenerationClient:
-        clients.append(GenerationClient(addresses, **kwargs))
-        return clients[-1]
-
-    loop.client = client
-    yield loop
-    for c in clients:
-        loop.run(c.aclose(), timeout=5)
-    loop.close()
 
 
 # --------------------------------------------------------------------------- the protocol
@@ -420,7 +394,9 @@ def test_server_killed_mid_rollout(model_dir, tmp_path, loop):
 
         def client(addresses):
             why = lambda address: by_address[address].why_down()  # noqa: E731
-            return loop.client(addresses, max_retries=2, retry_backoff_s=0.2, why_down=why)
+            return loop.client(
+                addresses, max_retries=2, retry_backoff_s=0.2, why_down=why, reconnect_timeout_s=0
+            )
 
         params = sampling_params(GenerationHyperparameters(max_new_tokens=12, min_new_tokens=12), [], n=1)
 
@@ -463,7 +439,13 @@ def test_stuck_servers_are_given_up_within_the_stall_timeout(model_dir, tmp_path
         params = sampling_params(GenerationHyperparameters(max_new_tokens=12, min_new_tokens=12), [], n=1)
 
         def client(addresses):
-            return loop.client(addresses, stall_timeout_s=2, health_interval_s=0.5, request_timeout_s=600)
+            return loop.client(
+                addresses,
+                stall_timeout_s=2,
+                health_interval_s=0.5,
+                request_timeout_s=600,
+                reconnect_timeout_s=0,
+            )
 
         def rollout(c: GenerationClient):
             async def run():

@@ -94,6 +94,34 @@ def stop_message(why: str, job: Invocation) -> list[str]:
     ]
 
 
+def _recover(recovery, failure, job: Invocation) -> bool:
+    """Start again from the last checkpoint (say so), or say why not (False)."""
+    from arealcli.runtime.run.checkpoint import latest_checkpoint
+
+    kept = latest_checkpoint(job.run_dir / "checkpoints", cleanup=False)
+    step = int(kept.name.split("_")[-1]) if kept is not None else None
+    why_not = recovery.why_not(failure, step)
+    if why_not is not None:
+        if step is not None:  # (without a checkpoint the stop message says so)
+            failure.hint = "; ".join(x for x in (failure.hint, why_not) if x)
+        return False
+    say_error(
+        f"{failure.what}. Starting again from the checkpoint of step {step} (recovery {recovery.done} of "
+        f"at most {recovery.retries}; the traceback: {failure.crash_log})",
+        title="recovering",
+    )
+    return True
+
+
+def _say_failure(failure, job: Invocation) -> None:
+    """A failed run's single screen: what failed, what to do, the checkpoint kept, the command."""
+    lines = failure.lines()
+    say_error(lines[0])
+    for line in lines[1:]:
+        say_error(line, title="")
+    _say_stop(stop_message("stopped", job))
+
+
 def train(
     recipe: Path = recipe_argument(),
     overrides: list[str] = overrides_argument(),
@@ -172,10 +200,20 @@ def train(
     if world == 1:
         return train_here(resolved, recipe, job, resume)
 
+    from arealcli.runtime.run.failures import Recovery, failure_of
     from arealcli.runtime.run.launch import LaunchSpec, WorkerJob, launch
 
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
-    result = launch(WorkerJob(str(recipe), overrides or [], str(run_dir), resume), spec)
+    recovery = Recovery(resolved.trainer.recover.mode, resolved.trainer.recover.retries)
+    while True:
+        result = launch(WorkerJob(str(recipe), overrides or [], str(run_dir), resume), spec)
+        if result.exit_code != 1 or result.error is None:
+            break
+        failure = failure_of(result.error, run_dir)  # a worker failed (exit 2, bad input, is not retried)
+        if not _recover(recovery, failure, job) or node_rank != 0:
+            _say_failure(failure, job)
+            raise typer.Exit(1)
+        resume = True
     if result.exit_code != 0:
         if result.error is not None:
             say_error(result.error)
@@ -198,13 +236,30 @@ def train_here(resolved, recipe: Path, job: Invocation, resume: bool) -> None:
         why = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
         _say_stop(stop_message(why, job))
 
+    from arealcli.runtime.run.failures import Recovery, failure_of
+
     display = Display(console, lambda note: say_error(note, title="note"))
-    try:
-        result = run(resolved, recipe, job.run_dir, resume, display, StopSignals(), on_stop=stopped)
-    except KeyboardInterrupt as e:
-        raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
-    except UserError as e:
-        raise fail(e.lines) from None
+    recovery = Recovery(resolved.trainer.recover.mode, resolved.trainer.recover.retries)
+    first_start, spent = None, 0.0  # over the recoveries: this command's steps and training time
+    while True:
+        try:
+            result = run(resolved, recipe, job.run_dir, resume, display, StopSignals(), on_stop=stopped)
+            first_start = result.start_step if first_start is None else first_start
+            spent += result.elapsed_s
+            break
+        except KeyboardInterrupt as e:
+            raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
+        except UserError as e:
+            raise fail(e.lines) from None
+        except Exception as e:  # noqa: BLE001  (every other failure: one message, or a recovery)
+            failure = failure_of(e, job.run_dir, getattr(e, "arealcli_step", None))
+            if first_start is None and hasattr(e, "arealcli_start_step"):
+                first_start = e.arealcli_start_step
+            spent += getattr(e, "arealcli_elapsed_s", 0.0)
+            if not _recover(recovery, failure, job):
+                _say_failure(failure, job)
+                raise typer.Exit(1) from None
+            resume = True
     if result.finished_before:
         say(
             f"nothing to do: {job.run_dir} has already trained all {result.global_step} steps "
@@ -212,9 +267,9 @@ def train_here(resolved, recipe: Path, job: Invocation, resume: bool) -> None:
             f"a larger trainer.max_steps=N)"
         )
         return
-    steps = result.global_step - result.start_step
+    steps = result.global_step - (first_start if first_start is not None else result.start_step)
     say(f"done: {steps} steps; run directory {job.run_dir}")
-    header(console, summary_lines(job.run_dir, result.elapsed_s, steps))
+    header(console, summary_lines(job.run_dir, spent, steps))
 
 
 def _dry_run(resolved, recipe: Path, run_dir: Path, resume: bool, overwrite: bool) -> None:

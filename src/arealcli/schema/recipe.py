@@ -161,6 +161,17 @@ class WandbSpec(StrictModel):
     tags: list[str] = Field(default_factory=list, description="Run tags.")
 
 
+class RecoverSpec(StrictModel):
+    """Automatic recovery: a failed run starts again from its last complete checkpoint, like `--resume`
+    typed by hand. Not retried: bad input (exit 2), a loss that is not finite, a failure before the first
+    checkpoint, the same failure again from the same checkpoint (a deterministic bug)."""
+
+    mode: Literal["auto", "off"] = Field(
+        "auto", description="auto: recover by itself; off: stop and say how to resume."
+    )
+    retries: NonNegativeInt = Field(3, description="Recoveries at most, per `areal train` command.")
+
+
 class TrainerSpec(StrictModel):
     """The training loop: how long, and how often to log, evaluate and save."""
 
@@ -195,6 +206,11 @@ class TrainerSpec(StrictModel):
         "cgroup quota, placed cpus), fixed for the run, so other load slows it but never changes its "
         "results (a resume keeps the count); adaptive: follow the cores other processes leave free "
         "(re-measured every 5 s); N: exactly N. OMP_NUM_THREADS, when set, wins.",
+    )
+    recover: RecoverSpec = Field(
+        default_factory=RecoverSpec,
+        description="What `areal train` does when training fails (a crashed process, a reward function "
+        "raising, generation servers given up): restart from the last checkpoint by itself.",
     )
 
 

@@ -51,6 +51,7 @@ class SGLangBackend(ModelBackend):
     def __init__(self, args: SGLangBackendArgs):
         super().__init__(args)
         self.servers: list[launcher.ServerProcess] = []
+        self.supervisor: launcher.Supervisor | None = None  # restarts launched servers that die or hang
         self.loop: EventLoopThread | None = None
         self.client: GenerationClient | None = None
         self._tmp_dir: str | None = None
@@ -62,12 +63,11 @@ class SGLangBackend(ModelBackend):
                 addresses = self._launch(model, spec)
             else:
                 addresses = list(a.addresses)
-            by_address = {s.address: s for s in self.servers}
             self.client = GenerationClient(
                 addresses,
                 **a.client_options(),
                 max_abort_resends=a.max_abort_resends,
-                why_down=lambda address: by_address[address].why_down() if address in by_address else None,
+                supervisor=self.supervisor,
             )
             self.loop = EventLoopThread()
             self.loop.run(self.client.check_all())
@@ -89,11 +89,22 @@ class SGLangBackend(ModelBackend):
         atexit.register(self._stop_servers)  # also when the trainer never reaches destroy()
         self.servers = launcher.launch(a, str(weights), root / "servers", model.name)
         launcher.wait_ready(self.servers, a.startup_timeout_s)
+        self._supervise(model.name)
         return [s.address for s in self.servers]
+
+    def _supervise(self, name: str) -> None:
+        a = self.args
+        if a.max_restarts > 0:
+            self.supervisor = launcher.Supervisor(
+                self.servers, name, a.startup_timeout_s, a.max_restarts, a.restart_window_s
+            )
 
     def _stop_servers(self) -> None:
         launcher.stop(self.servers)
         self.servers = []
+        if self.supervisor is not None:
+            self.supervisor.close()
+            self.supervisor = None
 
     def destroy(self, model: Model) -> None:
         if self.client is not None and self.loop is not None:

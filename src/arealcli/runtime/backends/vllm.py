@@ -103,12 +103,7 @@ class VLLMBackend(SGLangBackend):
         a: VLLMBackendArgs = self.args
         try:
             addresses = self._launch(model, spec) if a.launch else list(a.addresses)
-            by_address = {s.address: s for s in self.servers}
-            self.client = VLLMClient(
-                addresses,
-                **a.client_options(),
-                why_down=lambda address: by_address[address].why_down() if address in by_address else None,
-            )
+            self.client = VLLMClient(addresses, **a.client_options(), supervisor=self.supervisor)
             self.loop = EventLoopThread()
             self.loop.run(self.client.check_all())
             if a.launch:
@@ -139,4 +134,5 @@ class VLLMBackend(SGLangBackend):
             extra_env=lambda i: server_env(a, i),
         )
         launcher.wait_ready(self.servers, a.startup_timeout_s)
+        self._supervise(model.name)
         return [s.address for s in self.servers]

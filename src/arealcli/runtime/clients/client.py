@@ -8,6 +8,11 @@
 - A server that is alive but stops answering (stopped, hung): while a request waits, its /health is
   probed every `health_interval_s`; no answer for `stall_timeout_s` gives the server up for good and
   the request goes to another one (or fails with that reason), long before `request_timeout_s`.
+- Launched servers (a `Supervisor`) are watched while idle too (process alive, /health answering): one
+  that died or hung is restarted in the background, given the newest weight update before it serves
+  again, and the requests it held go to the others or wait for it (`events`, `restarts`, `time_lost_s`
+  say what happened). Servers given by address are not restarted: when none is left, the client waits
+  up to `reconnect_timeout_s` for one to answer again, gives it the newest weights, and goes on.
 - A sample aborted by a weight update is re-sent with the tokens it generated appended to the prompt and
   `max_new_tokens` reduced by as many (GroupGenerator); its output and log-probs are the concatenation.
 """
@@ -46,6 +51,8 @@ class _Server:
     healthy_at: float = 0.0  # when /health last answered (monotonic)
     probed_at: float = 0.0  # when the last /health probe started
     probe: Any = None  # the /health probe in flight (an asyncio task), shared by every watcher
+    recovering: Any = None  # the restart (or reconnection) in flight, an asyncio task
+    update: Any = None  # the weight update it holds (None: its initial weights)
 
     @property
     def url(self) -> str:
@@ -93,7 +100,12 @@ class _Answer:
 
 
 class _Retryable(Exception):
-    """A connection-level failure (refused, reset, died mid-request, HTTP 5xx): try another server."""
+    """A connection-level failure (refused, reset, died mid-request, HTTP 5xx): try another server.
+    `stalled`: the server is alive but stopped answering (a supervised one is restarted)."""
+
+    def __init__(self, message: str, stalled: bool = False):
+        super().__init__(message)
+        self.stalled = stalled
 
 
 # aiohttp's connect timeout is a ServerTimeoutError like a read timeout; only the latter is fatal
@@ -113,6 +125,8 @@ class GenerationClient(GroupGenerator):
         why_down: Callable[[str], str | None] | None = None,
         stall_timeout_s: float = 30.0,
         health_interval_s: float = 5.0,
+        supervisor: Any = None,
+        reconnect_timeout_s: float = 60.0,
     ):
         if not addresses:
             raise ValueError("a generation client needs at least one server address")
@@ -125,6 +139,17 @@ class GenerationClient(GroupGenerator):
             min(health_interval_s, stall_timeout_s),
         )
         self.why_down = why_down or (lambda address: None)  # e.g. "the process exited (code -9); log: ..."
+        self.supervisor = supervisor  # launcher.Supervisor of launched servers: restarts them
+        if supervisor is not None:
+            self.why_down = supervisor.why_down
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self.current_update: Any = None  # the newest weight update: a restarted server gets it
+        self.events: list[str] = []  # restarts and reconnections, for the console (taken by the trainer)
+        self.restarts, self.time_lost_s = 0, 0.0
+        self.fatal: GenerationServerError | None = None  # a server given up for good: every request fails
+        self._watcher: Any = None
+        self._reconnecting: Any = None  # the wait for a server given by address to answer again
+        self._reconnected_at = -1e9
         self._session: aiohttp.ClientSession | None = None
         self._sem: asyncio.Semaphore | None = None
 
@@ -144,6 +169,8 @@ class GenerationClient(GroupGenerator):
         return self._session
 
     async def aclose(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -181,10 +208,12 @@ class GenerationClient(GroupGenerator):
                 if done:
                     return task.result()
                 if time.monotonic() - await self._healthy_at(s) > self.stall_timeout_s:
-                    s.stale = True
+                    if not self._supervised(s):
+                        s.stale = True
                     raise _Retryable(
                         f"stopped answering: no /health answer for {self.stall_timeout_s:g} s (stall_timeout_s); "
-                        "the server is alive but stuck, or overloaded"
+                        "the server is alive but stuck, or overloaded",
+                        stalled=True,
                     )
         finally:
             if not task.done():
@@ -209,7 +238,7 @@ class GenerationClient(GroupGenerator):
             s.healthy_at = time.monotonic()
 
     def _pick(self, tried: set[str]) -> _Server | None:
-        live = [s for s in self.servers if not s.stale]
+        live = [s for s in self.servers if not s.stale and not _busy(s.recovering)]
         now = time.monotonic()
         up = [s for s in live if s.down_until <= now]
         pool = [s for s in up if s.address not in tried] or up or live
@@ -219,13 +248,20 @@ class GenerationClient(GroupGenerator):
         down = self.why_down(s.address)
         return f"{s.address}: {why}" + (f" ({down})" if down else "")
 
-    async def post(self, path: str, payload: dict[str, Any]) -> Any:
-        """POST to the least-loaded server; on connection failures, to another one (with backoff)."""
+    async def post(self, path: str, payload: dict[str, Any], reconnect: bool = True) -> Any:
+        """POST to the least-loaded server; on connection failures, to another one (with backoff). A
+        supervised server that died or hung is restarted meanwhile (not counted as an attempt)."""
         errors: list[str] = []
         tried: set[str] = set()
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        while attempt <= self.max_retries:
+            if self.fatal is not None:
+                raise self.fatal
             s = self._pick(tried)
             if s is None:
+                if await self._await_recovery():
+                    tried.clear()
+                    continue
                 break
             tried.add(s.address)
             s.in_flight += 1
@@ -239,6 +275,9 @@ class GenerationClient(GroupGenerator):
                 ) from None
             except _Retryable as e:  # refused, reset, the server died mid-request, HTTP 5xx
                 errors.append(self._failure(s, str(e)))
+                if await self._should_restart(s, e):
+                    self._start_recovery(s, str(e))
+                    continue
             else:
                 return _json_or_raise(answer, s.address, path)
             finally:
@@ -248,11 +287,163 @@ class GenerationClient(GroupGenerator):
                 x.down_until <= time.monotonic() for x in self.servers if not x.stale
             ):
                 await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+            attempt += 1
+        if reconnect and self.supervisor is None and await self._reconnect():
+            return await self.post(
+                path, payload, reconnect=False
+            )  # one answers again, with the newest weights
         raise GenerationServerError(
             f"{path} failed on every generation server after {len(errors)} attempt(s): " + "; ".join(errors)
             if errors
             else f"{path}: no generation server left (all missed a weight update or failed)"
         )
+
+    # ------------------------------------------------------------------ recovery
+
+    def _supervised(self, s: _Server) -> bool:
+        return self.supervisor is not None and self.supervisor.owns(s.address)
+
+    async def _should_restart(self, s: _Server, e: _Retryable) -> bool:
+        """A supervised server that stopped answering, or whose process exited (the connection may
+        break a moment before the process can be reaped: look again for a second)."""
+        if not self._supervised(s):
+            return False
+        if e.stalled:
+            return True
+        for _ in range(5):
+            if self.supervisor.why_down(s.address) is not None:
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    def _start_recovery(self, s: _Server, why: str) -> None:
+        """Restart `s` in the background (once, however many requests saw it fail)."""
+        if not _busy(s.recovering):
+            s.recovering = asyncio.ensure_future(self._restart(s, why))
+
+    async def _await_recovery(self) -> bool:
+        """Wait for the restarts in flight; True when a server is usable again. A restart that gave up
+        makes every request fail with its reason."""
+        pending = [s.recovering for s in self.servers if _busy(s.recovering)]
+        if not pending:
+            return False
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if self.fatal is not None:
+            raise self.fatal
+        return True
+
+    async def _restart(self, s: _Server, why: str) -> None:
+        assert self.supervisor is not None
+        t0 = time.monotonic()
+        label = self.supervisor.label(s.address)
+        down = self.supervisor.why_down(s.address)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(
+                self.supervisor.thread, self.supervisor.restart, s.address, down or why
+            )
+            s.healthy_at, s.down_until, s.update = time.monotonic(), 0.0, None
+            await self._catch_up(s)
+        except GenerationServerError as e:
+            s.stale = True
+            self.fatal = e
+            return
+        except (_Retryable, TimeoutError) as e:
+            s.stale = True
+            self.fatal = GenerationServerError(f"generation server {label} failed right after a restart: {e}")
+            return
+        lost = time.monotonic() - t0
+        self.restarts += 1
+        self.time_lost_s += lost
+        held = f", weights v{_version_of(s.update)} loaded" if s.update is not None else ""
+        self.events.append(
+            f"generation server {label}: {down or why}; restarted in {lost:.1f} s{held} "
+            f"(restart {len(self.supervisor.restarted_at)} of at most {self.supervisor.max_restarts} within "
+            f"{self.supervisor.window_s:g} s); the run goes on"
+        )
+
+    async def _catch_up(self, s: _Server) -> None:
+        """Give `s` the newest weight update (again, should another arrive meanwhile)."""
+        while self.current_update is not None and s.update is not self.current_update:
+            update = self.current_update
+            await self._apply_update(s, update)
+            s.update = update
+
+    async def _apply_update(self, s: _Server, update: Any) -> None:
+        """Load weight update `update` (what `update_weights` was given) on the one server `s`."""
+        answer = await self._send_watched(s, "POST", "/update_weights_from_disk", update)
+        result = _json_or_raise(answer, s.address, "/update_weights_from_disk", allow_400=True)
+        if not result.get("success"):
+            raise GenerationServerError(f"{s.address}: {result.get('message')}")
+
+    async def _reconnect(self) -> bool:
+        """No server given by address answers: wait up to `reconnect_timeout_s` for one to answer
+        /health again, give it the newest weights, and use it (True); False when none came back. The
+        requests that fail together wait on one reconnection."""
+        if self.reconnect_timeout_s <= 0:
+            return False
+        if time.monotonic() - self._reconnected_at < 2.0:
+            return True  # another request just brought a server back
+        if not _busy(self._reconnecting):
+            self._reconnecting = asyncio.ensure_future(self._find_server())
+        return await asyncio.shield(self._reconnecting)
+
+    async def _find_server(self) -> bool:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.reconnect_timeout_s:
+            for s in self.servers:
+                try:
+                    answer = await self._send("GET", s.url + "/health", timeout=self.connect_timeout_s)
+                except (_Retryable, TimeoutError):
+                    continue
+                if answer.status != 200:
+                    continue
+                s.update = None  # it may have been restarted (its initial weights): load the newest again
+                try:
+                    await self._catch_up(s)
+                except (_Retryable, TimeoutError, GenerationServerError):
+                    continue
+                s.stale, s.down_until, s.healthy_at = False, 0.0, time.monotonic()
+                self._reconnected_at = time.monotonic()
+                lost = time.monotonic() - t0
+                self.time_lost_s += lost
+                self.events.append(
+                    f"generation server {s.address} answers again after {lost:.0f} s; the run goes on"
+                )
+                return True
+            await asyncio.sleep(1.0)
+        return False
+
+    def watch(self) -> None:
+        """Start watching the supervised servers while idle (on the running loop)."""
+        if self.supervisor is not None and self._watcher is None:
+            now = time.monotonic()
+            for s in self.servers:
+                s.healthy_at = now
+            self._watcher = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Every `health_interval_s`: a supervised server whose process exited, or whose /health has not
+        answered for `stall_timeout_s`, is restarted before a request has to find out."""
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            for s in self.servers:
+                if s.stale or _busy(s.recovering) or not self._supervised(s):
+                    continue
+                try:
+                    down = self.supervisor.why_down(s.address)
+                    if down is not None:
+                        self._start_recovery(s, down)
+                    elif time.monotonic() - await self._healthy_at(s) > self.stall_timeout_s:
+                        self._start_recovery(
+                            s, f"stopped answering /health for {self.stall_timeout_s:g} s (stall_timeout_s)"
+                        )
+                except Exception:  # the watcher must outlive any one probe's surprise
+                    logger.exception("watching generation server %s", s.address)
+
+    def take_events(self) -> list[str]:
+        events, self.events = self.events, []
+        return events
 
     # ------------------------------------------------------------------ generation
 
@@ -286,12 +477,18 @@ class GenerationClient(GroupGenerator):
                     "(start one with `areal serve --model DIR --port N`, or set `launch:` in the backend args)"
                 ) from None
 
-        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+        infos = list(await asyncio.gather(*(one(s) for s in self.servers)))
+        self.watch()
+        return infos
 
     async def update_weights(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
         """POST /update_weights_from_disk to every server. A server that cannot be reached is dropped for
-        good (it would generate with old weights); an error if one refuses or none is left."""
-        live = [s for s in self.servers if not s.stale]
+        good (it would generate with old weights) unless it is supervised: then it is restarted and gets
+        these weights before it serves again. An error if one refuses or none is left."""
+        if self.fatal is not None:
+            raise self.fatal
+        self.current_update = payload
+        live = [s for s in self.servers if not s.stale and not _busy(s.recovering)]
 
         async def one(s: _Server) -> Any:
             answer = await self._send_watched(s, "POST", "/update_weights_from_disk", payload)
@@ -300,7 +497,9 @@ class GenerationClient(GroupGenerator):
         results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)
         failures, answers = [], []
         for s, r in zip(live, results, strict=True):
-            if isinstance(r, _Retryable):
+            if isinstance(r, _Retryable) and await self._should_restart(s, r):
+                self._start_recovery(s, str(r))  # it gets this update once it is back
+            elif isinstance(r, _Retryable):
                 s.stale = True
                 logger.warning("dropping generation server %s", self._failure(s, str(r)))
             elif isinstance(r, TimeoutError):
@@ -312,14 +511,26 @@ class GenerationClient(GroupGenerator):
             elif not r.get("success"):
                 failures.append(f"{s.address}: {r.get('message')}")
             else:
+                s.update = payload
                 answers.append(r)
         if failures:
             raise GenerationServerError("weight update failed: " + "; ".join(failures))
-        if not answers:
+        if not answers and not any(_busy(s.recovering) for s in self.servers):
             raise GenerationServerError(
                 "weight update reached no generation server: " + ", ".join(s.address for s in self.servers)
             )
         return answers
+
+
+def _busy(task: Any) -> bool:
+    return task is not None and not task.done()
+
+
+def _version_of(update: Any) -> Any:
+    """The policy version a weight update carries (SGLang's payload, or vLLM's (path, version))."""
+    if isinstance(update, dict):
+        return update.get("weight_version")
+    return update[1] if isinstance(update, tuple) else "?"
 
 
 def _parse(item: Any) -> Completion:

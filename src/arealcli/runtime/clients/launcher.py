@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
@@ -42,6 +42,9 @@ class ServerProcess:
     proc: subprocess.Popen
     log_path: Path
     log_file: IO[bytes]
+    cmd: list[str] = field(default_factory=list)  # how it was started: a restart runs the same again
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: set[int] | None = None
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -165,7 +168,6 @@ def launch(
     for i in range(args.num_servers):
         port = args.base_port + i if args.base_port is not None else free_port(args.host)
         log_path = log_dir / f"{name}-{i}.log"
-        log = open(log_path, "ab")  # noqa: SIM115  (closed in stop())
         if command is not None:
             cmd = command(port, i)
         else:
@@ -180,24 +182,51 @@ def launch(
             check_cpus(cpus)
         elif os.environ.get(UNPLACED_CPUS_ENV):  # not the trainer's cores it was started from
             cpus = sorted(parse_ids(os.environ[UNPLACED_CPUS_ENV]))
-        log.write(("$ " + " ".join(cmd) + "\n").encode())
-        log.flush()
         try:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,  # own process group: Ctrl-C reaches the trainer, which stops us
-                preexec_fn=_child_setup(set(cpus) if cpus else None),
-            )
-        except OSError as e:
-            log.close()
+            servers.append(_start(f"{args.host}:{port}", cmd, env, set(cpus) if cpus else None, log_path))
+        except LaunchError:
             stop(servers)
-            raise LaunchError(f"cannot run {cmd[0]}: {e}") from None
-        servers.append(ServerProcess(f"{args.host}:{port}", proc, log_path, log))
+            raise
     return servers
+
+
+def _start(
+    address: str, cmd: list[str], env: dict[str, str], cpus: set[int] | None, log_path: Path
+) -> ServerProcess:
+    log = open(log_path, "ab")  # noqa: SIM115  (closed in stop())
+    log.write(("$ " + " ".join(cmd) + "\n").encode())
+    log.flush()
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,  # own process group: Ctrl-C reaches the trainer, which stops us
+            preexec_fn=_child_setup(cpus),
+        )
+    except OSError as e:
+        log.close()
+        raise LaunchError(f"cannot run {cmd[0]}: {e}") from None
+    return ServerProcess(address, proc, log_path, log, cmd, env, cpus)
+
+
+def restart(server: ServerProcess, startup_timeout_s: float, why: str) -> ServerProcess:
+    """Kill `server` (SIGKILL to its process group: also a stopped or hung one), start the same command
+    on the same address, CPUs and devices (its log goes on in the same file), and wait for /health."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+    server.log_file.write(f"\n# arealcli: restarting this server: {why}\n".encode())
+    server.log_file.close()
+    fresh = _start(server.address, server.cmd, server.env, server.cpus, server.log_path)
+    try:
+        wait_ready([fresh], startup_timeout_s)
+    except LaunchError:
+        stop([fresh])
+        raise
+    return fresh
 
 
 def wait_ready(servers: list[ServerProcess], timeout_s: float) -> None:
@@ -240,3 +269,71 @@ def stop(servers: list[ServerProcess], grace_s: float = 10.0) -> None:
                 os.killpg(s.proc.pid, signal.SIGKILL)
             s.proc.wait()
         s.log_file.close()
+
+
+class Supervisor:
+    """Restarts the launched servers of one model that died or hung, at most `max_restarts` times in any
+    `window_s` seconds; one more failure in the window is given up (GenerationServerError).
+
+    Restarts run on a thread of the supervisor's own that lives as long as the servers (a child started
+    from a thread gets SIGTERM when that thread ends: `_die_with_parent`)."""
+
+    def __init__(
+        self,
+        servers: list[ServerProcess],
+        name: str,
+        startup_timeout_s: float,
+        max_restarts: int = 3,
+        window_s: float = 3600.0,
+    ):
+        import concurrent.futures
+        import threading
+
+        self.servers, self.name = servers, name  # the backend's list: replaced in place on a restart
+        self.startup_timeout_s, self.max_restarts, self.window_s = startup_timeout_s, max_restarts, window_s
+        self.restarted_at: list[float] = []
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-supervisor")
+        self._lock = threading.Lock()
+
+    def owns(self, address: str) -> bool:
+        return any(s.address == address for s in self.servers)
+
+    def label(self, address: str) -> str:
+        """`actor_gen-0 (127.0.0.1:4321)`: the server as its log file names it."""
+        for s in self.servers:
+            if s.address == address:
+                return f"{s.log_path.stem} ({address})"
+        return address
+
+    def why_down(self, address: str) -> str | None:
+        """Why the server at `address` is down (its exit code and log), or None while its process lives."""
+        return next((s.why_down() for s in self.servers if s.address == address), None)
+
+    def log_path(self, address: str) -> Path | None:
+        return next((s.log_path for s in self.servers if s.address == address), None)
+
+    def restart(self, address: str, why: str) -> None:
+        """Blocking (run it on `self.thread`): kill and start the server again, wait until it answers."""
+        from arealcli.runtime.engines.inference import GenerationServerError
+
+        with self._lock:
+            now = time.monotonic()
+            self.restarted_at = [t for t in self.restarted_at if now - t < self.window_s]
+            if len(self.restarted_at) >= self.max_restarts:
+                log = "" if "log:" in why else f"; log: {self.log_path(address)}"
+                raise GenerationServerError(
+                    f"generation server {self.label(address)} failed again ({why}{log}) after "
+                    f"{len(self.restarted_at)} restart(s) within {self.window_s:g} s; not restarting it again "
+                    f"(max_restarts={self.max_restarts})"
+                )
+            self.restarted_at.append(now)
+            i = next(k for k, s in enumerate(self.servers) if s.address == address)
+            try:
+                self.servers[i] = restart(self.servers[i], self.startup_timeout_s, why)
+            except LaunchError as e:
+                raise GenerationServerError(
+                    f"generation server {self.label(address)} could not be restarted: {e}"
+                ) from None
+
+    def close(self) -> None:
+        self.thread.shutdown(wait=False, cancel_futures=True)

@@ -36,6 +36,7 @@ from arealcli.runtime.clients.client import (
     GenerationServerError,
     Sample,
     _Answer,
+    _busy,
     _json_or_raise,
     _Retryable,
     _Server,
@@ -174,7 +175,9 @@ class VLLMClient(GenerationClient):
                     )
             return models
 
-        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+        infos = list(await asyncio.gather(*(one(s) for s in self.servers)))
+        self.watch()
+        return infos
 
     async def warm_up(self, timeout_s: float) -> None:
         """One 1-token completion on every server: a fresh vLLM CPU server spends ~25 s on its first."""
@@ -199,7 +202,9 @@ class VLLMClient(GenerationClient):
         A server that cannot be reached or fails the reload (vLLM's engine dies on a bad checkpoint) is
         dropped for good: it would generate with unknown weights. An error when one refuses or none is left.
         """
-        live = [s for s in self.servers if not s.stale]
+        if self.fatal is not None:
+            raise self.fatal
+        live = [s for s in self.servers if not s.stale and not _busy(s.recovering)]
         cpu = [s.address for s in live if self.server_info.get(s.address, {}).get("device") == "cpu"]
         if tied_embeddings and cpu:
             # vLLM's CPU build keeps a packed copy of the output layer's weight; an in-place reload of a
@@ -219,13 +224,18 @@ class VLLMClient(GenerationClient):
                     f"weight update: requests in flight did not finish within request_timeout_s="
                     f"{self.request_timeout_s:g} s"
                 ) from None
-            live = [s for s in self.servers if not s.stale]  # again: one may have died meanwhile
+            update = (path, version)
+            self.current_update = update  # a server restarted from now on gets these weights
+            live = [s for s in self.servers if not s.stale and not _busy(s.recovering)]  # one may have died
             results = await asyncio.gather(
                 *(self._reload_one(s, path, version) for s in live), return_exceptions=True
             )
             failures, dropped, done = [], [], 0
             for s, r in zip(live, results, strict=True):
-                if isinstance(r, _Retryable):
+                if isinstance(r, _Retryable) and await self._should_restart(s, r):
+                    self._start_recovery(s, str(r))
+                    done += 1  # it loads these weights before it serves again
+                elif isinstance(r, _Retryable):
                     s.stale = True
                     dropped.append(self._failure(s, str(r)))
                     logger.warning("dropping vLLM server %s", dropped[-1])
@@ -236,6 +246,7 @@ class VLLMClient(GenerationClient):
                 elif isinstance(r, BaseException):
                     failures.append(f"{s.address}: {r}")
                 else:
+                    s.update = update
                     done += 1
             if failures:
                 raise GenerationServerError("weight update failed: " + "; ".join(failures))
@@ -244,6 +255,9 @@ class VLLMClient(GenerationClient):
             self.version = version
         finally:
             self._open.set()
+
+    async def _apply_update(self, s: _Server, update: Any) -> None:
+        await self._reload_one(s, *update)
 
     async def _reload_one(self, s: _Server, path: str, version: int) -> None:
         answer = await self._send_watched(s, "POST", "/pause?mode=wait")

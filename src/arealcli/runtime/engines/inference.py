@@ -256,6 +256,15 @@ class InferenceEngine(Engine):
 
         self.loop.run(open_gate())
 
+    def take_faults(self) -> tuple[list[str], dict[str, float]]:
+        """What its servers went through since last asked (restarts, reconnections: one line each) and the
+        run's totals (`faults/server_restarts`, `faults/time_lost_s`); nothing for in-process generators."""
+        take = getattr(self.generator, "take_events", None)
+        if take is None:
+            return [], {}
+        g: Any = self.generator
+        return take(), {"faults/server_restarts": float(g.restarts), "faults/time_lost_s": g.time_lost_s}
+
     def update_weights(self, path: str, version: int) -> None:
         self.loop.run(self._update_weights(path, version))
         self.version = version

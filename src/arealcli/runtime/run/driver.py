@@ -74,9 +74,11 @@ def run(
         progress=progress.update if progress is not None else None,
         stop_requested=stop.raise_if_requested if stop is not None else None,
         thread_policy=policy,
+        note=display.note if display is not None else None,
     )
     trainer = Trainer(recipe, recipe_path.resolve().parent, run_dir, resume=resume, hooks=hooks)
     t0 = time.perf_counter()
+    start_step = 0
     try:
         with progress if progress is not None else contextlib.nullcontext():
             if stop is not None:
@@ -92,6 +94,13 @@ def run(
                     display.note(note)
                 progress.start(trainer.global_step, trainer.total_steps)
             trainer.train()
+    except Exception as e:
+        if trainer.logger is not None:  # it failed while training: say in which step, after how many
+            with contextlib.suppress(AttributeError):
+                e.arealcli_step = trainer.global_step + 1  # type: ignore[attr-defined]
+                e.arealcli_start_step = start_step  # type: ignore[attr-defined]
+                e.arealcli_elapsed_s = time.perf_counter() - t0  # type: ignore[attr-defined]
+        raise
     except KeyboardInterrupt as e:
         if progress is not None:
             progress.stop()  # (the `with` has ended it already; nothing is drawn after the message)

@@ -4,9 +4,11 @@ The parent process (one per node) runs torch's elastic agent (`elastic_launch`, 
 with a static rendezvous at `master_addr:master_port`; it spawns N workers, each of which initializes
 the process group (gloo on CPU, NCCL for GPUs plus gloo for CPU tensors) and runs the trainer.
 
-Failure handling: no restarts. When a worker fails, the agent stops every other worker (SIGTERM, then
-SIGKILL) and we print the failed worker's traceback once, picking the root cause over the
-"connection closed" errors its peers may raise in the meantime. Ctrl-C stops every worker.
+Failure handling: when a worker fails, the agent stops every other worker (SIGTERM, then SIGKILL) and
+we report the failed worker's traceback once, picking the root cause over the "connection closed"
+errors its peers may raise in the meantime. The agent itself restarts nothing: `areal train` launches
+the whole group again from the last checkpoint (`trainer.recover`, runtime/run/failures.py), which
+also knows when not to (no checkpoint yet, the same failure twice). Ctrl-C stops every worker.
 Nothing here imports torch at module level: `areal train --help` stays fast.
 """
 

@@ -10,6 +10,7 @@ saves of the backends.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import random
@@ -61,6 +62,7 @@ class Hooks:
     progress: Callable[..., None] | None = None  # (step, total, stats, log_now) after every step
     stop_requested: Callable[[], None] | None = None  # before each step: raises when a stop was signalled
     thread_policy: Any = None  # runtime.threads.ThreadPolicy: torch threads follow the free cores
+    note: Callable[[str], None] | None = None  # a line for the console (a generation server restarted)
 
 
 class Trainer:
@@ -78,6 +80,7 @@ class Trainer:
         self.progress = progress or hooks.progress
         self.stop_requested = hooks.stop_requested
         self.thread_policy = hooks.thread_policy
+        self.note = hooks.note
         self.global_step = 0
         self.rank, self.world = distributed.rank(), distributed.world()
         self.saved_step: int | None = None
@@ -314,6 +317,7 @@ class Trainer:
             else:
                 batch, stats = run_calls(self.calls, self.data_batch(self.global_step), self.global_step)
             stats.update(self.weight_sync.sync(before))  # followers get the new weights before generating
+            stats.update(self._faults())
             self.global_step += 1
             if t.samples_every_n_steps and self.global_step % t.samples_every_n_steps == 0:
                 rows = distributed.all_gather_object(sample_rows(batch, self.tokenizer))
@@ -345,6 +349,23 @@ class Trainer:
             self.save()
         self.write_report()
         return last
+
+    def _faults(self) -> dict[str, float]:
+        """Generation servers restarted (or back) since the last step: said on the console, counted."""
+        totals: dict[str, float] = {}
+        for model in self.models.values():
+            take = getattr(model.module, "take_faults", None)
+            if take is None:
+                continue
+            lines, counts = take()
+            for line in lines:
+                if self.note is not None:
+                    self.note(line)
+                else:
+                    logging.getLogger(__name__).warning(line)
+            for k, v in counts.items():
+                totals[k] = totals.get(k, 0.0) + v
+        return totals
 
     def describe(self, recipe_path: Path) -> list[tuple[str, str]]:
         """The header lines: what runs, where, how long."""

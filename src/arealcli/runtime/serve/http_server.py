@@ -24,6 +24,8 @@ import dataclasses
 import gc
 import json
 import logging
+import os
+import signal
 import socket
 import time
 import traceback
@@ -227,6 +229,7 @@ class GenerationService:
                 "message": "model_path (a string) is required",
                 "num_paused_requests": 0,
             }
+        _injected_death_on_update()
         version = body.get("weight_version")
         ok, message = await asyncio.to_thread(  # waits for the running batch: off the event loop
             self.scheduler.update_weights,
@@ -454,3 +457,19 @@ def make_server(
 
 def serve_forever(server: GenerationServer, on_ready=None) -> None:
     server.serve_forever(on_ready)
+
+
+# Fault injection for the fault-matrix tests: `AREALCLI_FAULT_DIE_ON_UPDATE=N:MARKER` makes the server kill
+# itself (SIGKILL) in its Nth weight update, once (MARKER, a file, records that it happened).
+_UPDATES = [0]
+
+
+def _injected_death_on_update() -> None:
+    spec = os.environ.get("AREALCLI_FAULT_DIE_ON_UPDATE")
+    if not spec:
+        return
+    at, _, marker = spec.partition(":")
+    _UPDATES[0] += 1
+    if _UPDATES[0] == int(at) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -248,6 +248,18 @@ class ServerFleetArgs(Placement):
     )
     retry_backoff_s: float = Field(0.5, ge=0, description="First backoff between retries; doubles each time.")
     max_concurrent_requests: PositiveInt = Field(256, description="Requests in flight at once, all servers.")
+    max_restarts: NonNegativeInt = Field(
+        3,
+        description="A launched server that dies or hangs is restarted (same CPUs/GPUs, the newest weights) "
+        "at most this many times within restart_window_s; once more ends the run. 0: never restarted.",
+    )
+    restart_window_s: float = Field(3600.0, gt=0, description="The window that max_restarts counts in.")
+    reconnect_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="Servers given by `addresses`: when none answers, wait this long for one to come back "
+        "(it then gets the newest weights) before the run ends.",
+    )
 
     @field_validator("addresses")
     @classmethod
@@ -287,6 +299,7 @@ class ServerFleetArgs(Placement):
             "max_retries": self.max_retries,
             "retry_backoff_s": self.retry_backoff_s,
             "max_concurrent_requests": self.max_concurrent_requests,
+            "reconnect_timeout_s": self.reconnect_timeout_s,
         }
 
 
@@ -299,6 +312,7 @@ class ClientOptions(TypedDict):
     max_retries: int
     retry_backoff_s: float
     max_concurrent_requests: int
+    reconnect_timeout_s: float
 
 
 class SGLangBackendArgs(ServerFleetArgs):
