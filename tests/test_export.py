@@ -94,6 +94,10 @@ def test_export_is_a_model_folder_with_a_card(run, tmp_path):
     embedded = body.split("```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(embedded) == yaml.safe_load((run / "recipe.yaml").read_text())
     assert "areal train recipe.yaml -o runs/tiny-sft" in body
+    # and the command that trained it, as typed (the run's commands.log), without the folder typed in
+    (logged,) = (run / "commands.log").read_text().splitlines()
+    typed = f"areal train {run.parent / 'recipe.yaml'} -o {run}"
+    assert logged.endswith(f" && {typed}") and f"It was trained with" in body and f"\n{typed}\n" in body
 
 
 def test_the_export_serves_with_areal_serve(run, tmp_path):

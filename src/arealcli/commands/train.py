@@ -22,6 +22,7 @@ from arealcli.commands.common import (
 from arealcli.errors import UserError
 from arealcli.runtime.console.progress import header
 from arealcli.runtime.run.session import (
+    COMMANDS_LOG,
     RUN_MARKER,
     StopSignals,
     Terminated,
@@ -58,6 +59,27 @@ class Invocation:
         else:
             args = [str(self.run_dir / "recipe.yaml"), "--resume", "-o", str(self.run_dir)]
         return shlex.join(["areal", "train", *args, *self.launch_flags])
+
+    def command(self) -> str:
+        """This invocation, as typed (relative paths as given)."""
+        out = ["-o", str(self.run_dir)] if self.run_dir != self.default_run_dir else []
+        resume = ["--resume"] if self.resumed else []
+        return shlex.join(
+            ["areal", "train", str(self.recipe), *self.overrides, *out, *resume, *self.launch_flags]
+        )
+
+    def record(self) -> None:
+        """Append this command to RUN/commands.log (when, where from, what): the run's own history,
+        which `areal export` quotes in the model card."""
+        import datetime
+        import os
+
+        stamp = datetime.datetime.now().isoformat(timespec="seconds")
+        try:
+            with open(self.run_dir / COMMANDS_LOG, "a") as f:
+                f.write(f"{stamp}  cd {shlex.quote(os.getcwd())} && {self.command()}\n")
+        except OSError:
+            pass  # a record, never a reason to fail
 
     def restart_command(self) -> str:
         out = ["-o", str(self.run_dir)] if self.run_dir != self.default_run_dir else []
@@ -195,6 +217,7 @@ def train(
             raise fail(e.lines) from None
         if replaced:
             say(replaced)
+        job.record()
         for note in notes:
             say_error(note, title="note")
     if world == 1:

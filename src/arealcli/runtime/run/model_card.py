@@ -36,7 +36,7 @@ def model_card(found: ModelCheckpoint, recipe: dict[str, Any], adapter: bool, fo
     ]
     if (folder / "report.png").is_file():
         parts.append("## Training curves\n\n![metrics of the run over training](report.png)\n")
-    parts += [_usage(adapter, tokenizer_class(folder)), _reproduce(recipe)]
+    parts += [_usage(adapter, tokenizer_class(folder)), _reproduce(recipe, _commands(found.run_dir))]
     return "\n".join(parts)
 
 
@@ -208,12 +208,29 @@ def _usage(adapter: bool, tok_class: str) -> str:
     return f"## Use\n\n```python\n{code}```\n\n```\n{shell}```\n"
 
 
-def _reproduce(recipe: dict[str, Any]) -> str:
+def _commands(run_dir: Path) -> list[str]:
+    """The `areal train` commands of the run, as typed (its commands.log, oldest first)."""
+    from arealcli.runtime.run.session import COMMANDS_LOG
+
+    try:
+        lines = (run_dir / COMMANDS_LOG).read_text().splitlines()
+    except OSError:
+        return []
+    # `TIME  cd DIR && areal train ...`: the card shows the command, not the folder it was typed in
+    return [line.split("  ", 1)[1].split(" && ", 1)[-1] for line in lines if "  " in line]
+
+
+def _reproduce(recipe: dict[str, Any], commands: list[str]) -> str:
     experiment = recipe.get("experiment") or "run"
     text = yaml.safe_dump(recipe, sort_keys=False) if recipe else "(the run has no recipe.yaml)\n"
+    typed = ""
+    if commands:
+        shown = "\n".join(commands[-10:])
+        typed = f"It was trained with (from the run's `commands.log`):\n\n```\n{shown}\n```\n\n"
     return (
         "## How it was trained\n\n"
-        "The run's resolved recipe (overrides applied, presets expanded, local paths absolute) is "
+        + typed
+        + "The run's resolved recipe (overrides applied, presets expanded, local paths absolute) is "
         "`recipe.yaml` in this folder, shown below; this command trains the same model again "
         "(with the same data, torch build and CPU kind or GPU):\n\n"
         f"```\nareal train recipe.yaml -o runs/{experiment}\n```\n\n"

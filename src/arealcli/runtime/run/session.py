@@ -16,6 +16,8 @@ from arealcli.errors import UserError
 # Written into every run directory this tool creates. `--overwrite` removes only directories that have
 # it, so a mistyped `-o` or `experiment` can never delete anything else.
 RUN_MARKER = ".arealcli-run"
+# Every `areal train` of the run, one line each: `TIME  cd DIR && areal train ...`.
+COMMANDS_LOG = "commands.log"
 
 
 def run_dir_for(recipe, output_dir: Path | None) -> Path:
