@@ -97,7 +97,7 @@ def test_export_is_a_model_folder_with_a_card(run, tmp_path):
     # and the command that trained it, as typed (the run's commands.log), without the folder typed in
     (logged,) = (run / "commands.log").read_text().splitlines()
     typed = f"areal train {run.parent / 'recipe.yaml'} -o {run}"
-    assert logged.endswith(f" && {typed}") and f"It was trained with" in body and f"\n{typed}\n" in body
+    assert logged.endswith(f" && {typed}") and "It was trained with" in body and f"\n{typed}\n" in body
 
 
 def test_the_export_serves_with_areal_serve(run, tmp_path):
