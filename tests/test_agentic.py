@@ -792,3 +792,31 @@ def test_a_chat_agent_trains_on_its_own_turns_only(char_tok, tmp_path, monkeypat
         assert len(own) == 2  # two assistant replies train ...
         inserted = [tok.decode(t) for mine, t in parts if not mine]
         assert inserted[0] == f"u: {q}\na: " and "u: again\na: " in inserted[1]  # ... the user turns never do
+
+
+def test_areal_eval_scores_episodes_as_training_generates_them(trained, char_tok, tmp_path):
+    """`areal eval` with the agent recipe: greedy tool-use episodes of the fitted model, scored on their
+    final answers, exactly as the actor's held-out evaluation scores them; --no-workflow asks for plain
+    completions (a calculator call is no answer)."""
+    from typer.testing import CliRunner
+
+    from arealcli.main import app
+
+    recipe = tmp_path / "agent.yaml"
+    text = (REPO / "recipes" / "quickstart-agent.yaml").read_text().replace("../data/", f"{REPO}/data/")
+    recipe.write_text(text)
+    rows = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in PAIRS]
+    write_jsonl(tmp_path / "pairs.jsonl", rows)
+
+    def accuracy(*flags: str) -> float:
+        out = tmp_path / "results.json"
+        args = ["eval", str(trained[0]), "--recipe", str(recipe), "--data", str(tmp_path / "pairs.jsonl")]
+        result = CliRunner().invoke(app, [*args, "--n", "2", "-o", str(out), *flags])
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text())["metrics"]["greedy_accuracy"]
+
+    data = PromptAnswerDataset(PromptAnswerArgs(path="pairs.jsonl"), char_tok, tmp_path)
+    actor = actor_interface(eval_reward_fn="math", generation={"max_new_tokens": 12})
+    expected = actor.evaluate(hf_actor(trained[0], char_tok), [data.collate(list(range(len(rows))))])
+    assert accuracy() == expected["accuracy"] >= 0.5
+    assert accuracy("--no-workflow") == 0.0

@@ -8,6 +8,7 @@ from typer.core import TyperCommand, TyperGroup
 from arealcli import __version__
 from arealcli.commands.chat import chat
 from arealcli.commands.check import check
+from arealcli.commands.eval import eval_
 from arealcli.commands.export import export
 from arealcli.commands.init import init
 from arealcli.commands.list_ import list_
@@ -80,6 +81,7 @@ for name, command in (
     ("init", init),
     ("chat", chat),
     ("export", export),
+    ("eval", eval_),
 ):
     app.command(name, cls=Command)(command)
 

@@ -161,6 +161,28 @@ class WandbSpec(StrictModel):
     tags: list[str] = Field(default_factory=list, description="Run tags.")
 
 
+class EvalSamplesSpec(StrictModel):
+    """Held-out evaluation with samples, beside the greedy score: n samples per prompt, reported as
+    `eval/avg@k` and, for a 0/1 reward, `eval/pass@k` (unbiased estimator) and `eval/maj@k`."""
+
+    n: PositiveInt = Field(description="Samples per held-out prompt.", le=1024)
+    k: list[PositiveInt] | None = Field(None, description="The k of avg@k, pass@k, maj@k (default: 1 and n).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    seed: NonNegativeInt = Field(
+        0, description="Seed of the evaluation samples (the training stream is untouched)."
+    )
+
+    @model_validator(mode="after")
+    def _k_within_n(self) -> EvalSamplesSpec:
+        bad = [k for k in self.k or [] if k > self.n]
+        if bad:
+            raise ValueError(f"k {bad} above n={self.n}: pass@k draws k of the n samples")
+        return self
+
+    def ks(self) -> list[int]:
+        return sorted(set(self.k)) if self.k else sorted({1, self.n})
+
+
 class RecoverSpec(StrictModel):
     """Automatic recovery: a failed run starts again from its last complete checkpoint, like `--resume`
     typed by hand. Not retried: bad input (exit 2), a loss that is not finite, a failure before the first
@@ -206,6 +228,11 @@ class TrainerSpec(StrictModel):
         "cgroup quota, placed cpus), fixed for the run, so other load slows it but never changes its "
         "results (a resume keeps the count); adaptive: follow the cores other processes leave free "
         "(re-measured every 5 s); N: exactly N. OMP_NUM_THREADS, when set, wins.",
+    )
+    eval: EvalSamplesSpec | None = Field(
+        None,
+        description="Also sample at held-out evaluation: {n: 8, k: [1, 8], temperature: 1.0} logs eval/avg@k, "
+        "eval/pass@k, eval/maj@k beside the greedy score (ppo_actor calls).",
     )
     recover: RecoverSpec = Field(
         default_factory=RecoverSpec,

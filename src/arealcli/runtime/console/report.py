@@ -11,11 +11,13 @@ import math
 from pathlib import Path
 
 # panel title -> which metric keys go there: a suffix after the last "/" ("reward"), a whole key
-# ("timing/step_s"), or "eval/<suffix>" for held-out metrics. Titles ending in "{}" get a panel per key.
+# ("timing/step_s"), or "eval/<suffix>" for held-out metrics ("eval/pass@*": every k). Titles ending in
+# "{}" get a panel per key.
 PANELS: list[tuple[str, tuple[str, ...]]] = [
     ("reward (sampled rollouts)", ("reward",)),
     ("held-out accuracy / reward", ("eval/accuracy", "eval/reward")),
     ("held-out NLL", ("eval/nll",)),
+    ("held-out with samples", ("eval/pass@*", "eval/avg@*", "eval/maj@*")),
     ("loss: {}", ("loss",)),
     ("KL", ("kl_ref", "kl_loss", "approx_kl")),
     ("entropy", ("entropy",)),
@@ -43,7 +45,11 @@ def _panel_keys(rows: list[dict], patterns: tuple[str, ...]) -> list[str]:
     for k in keys:
         suffix = k.rsplit("/", 1)[-1]
         for p in patterns:
-            if p.startswith("eval/") and k.startswith("eval/") and suffix == p[len("eval/") :]:
+            wanted = p[len("eval/") :]
+            if p.startswith("eval/") and k.startswith("eval/") and p.endswith("*"):
+                if suffix.startswith(wanted[:-1]):
+                    out.append(k)
+            elif p.startswith("eval/") and k.startswith("eval/") and suffix == wanted:
                 out.append(k)
             elif "/" in p and not p.startswith("eval/") and k == p:
                 out.append(k)

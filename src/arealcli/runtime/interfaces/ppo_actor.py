@@ -29,7 +29,7 @@ from arealcli.runtime.interfaces.rl_common import (
 )
 from arealcli.runtime.interfaces.sft import answer_token_mask
 from arealcli.runtime.models.model import Model
-from arealcli.runtime.registry import get_reward, make_workflow, reward_is_binary
+from arealcli.runtime.registry import make_workflow, reward_is_binary
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs
 
@@ -365,26 +365,38 @@ class PPOActorInterface(ModelInterface):
     # ------------------------------------------------------------------ evaluate / state
 
     @torch.no_grad()
-    def evaluate(self, model: Model, loader) -> dict[str, float]:
-        """Greedy decoding on held-out prompts, scored by `eval_reward_fn`."""
+    def evaluate(self, model: Model, loader, samples: Any = None) -> dict[str, float]:
+        """Greedy decoding on held-out prompts, scored by `eval_reward_fn`; with `samples` (the recipe's
+        `trainer.eval: {n, k, temperature}`) also n samples per prompt: avg@k, and for a 0/1 reward pass@k
+        and maj@k. The code of `areal eval` (runtime/eval), on this rank's prompts; means over ranks."""
+        from arealcli.runtime.eval.metrics import per_prompt_values
+        from arealcli.runtime.eval.run import EngineTarget, EvalPlan, evaluate
+
         a = self.args
         name = a.eval_reward_fn or "math"
-        reward_fn = get_reward(name)
-        g = GenerationHyperparameters(
-            greedy=True,
-            max_new_tokens=a.eval_max_new_tokens or a.generation.max_new_tokens,
-            stop_token_ids=a.generation.stop_token_ids,
+        max_new = a.eval_max_new_tokens or a.generation.max_new_tokens
+        stop = a.generation.stop_token_ids
+        greedy = GenerationHyperparameters(greedy=True, max_new_tokens=max_new, stop_token_ids=stop)
+        sampled = None
+        if samples is not None:
+            sampled = GenerationHyperparameters(
+                n=samples.n, temperature=samples.temperature, max_new_tokens=max_new, stop_token_ids=stop
+            )
+        episodes = None
+        if self.workflow is not None:  # greedy episodes, scored on their final answers
+            episodes = functools.partial(self._generate_episodes, model, workflow=self.workflow)
+        plan = EvalPlan(name, greedy, sampled, seed=samples.seed if samples is not None else 0)
+        results = evaluate(EngineTarget(model, episodes), loader, plan)
+        binary = reward_is_binary(name)
+        values = per_prompt_values(results, samples.ks() if samples is not None else [], binary)
+        values.pop("greedy_accuracy", None) if binary else values.pop("greedy_reward", None)
+        keys = sorted(values)
+        greedy_scores = [r.greedy_reward or 0.0 for r in results]
+        sums = distributed.all_reduce(
+            [float(sum(greedy_scores)), float(len(results))] + [float(sum(values[k])) for k in keys]
         )
-        scores: list[float] = []
-        for batch in loader:
-            if self.workflow is not None:  # greedy episodes, scored on their final answers
-                episodes = self._generate_episodes(model, batch, g, self.workflow)
-                _, responses = decode_responses(model.tokenizer, episodes)
-            else:
-                out = model.module.generate(batch, MicroBatchSpec(), model.tokenizer, g)
-                responses = [model.tokenizer.decode(o, skip_special_tokens=True) for o in out.output_ids]
-            scores.extend(reward_fn(batch.meta["prompt"], responses, batch.meta["answers"]))
-        t = torch.tensor(scores)
-        total, n = distributed.all_reduce([float(t.sum()), float(t.numel())])
+        n = max(sums[1], 1.0)
         # a 0/1 reward's mean is the accuracy; any other reward is reported as itself, by name
-        return {"accuracy" if reward_is_binary(name) else f"reward/{name}": total / max(n, 1.0)}
+        out = {"accuracy" if binary else f"reward/{name}": sums[0] / n}
+        out.update({k: v / n for k, v in zip(keys, sums[2:], strict=True)})
+        return out

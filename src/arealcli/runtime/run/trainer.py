@@ -10,6 +10,7 @@ saves of the backends.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import os
@@ -444,7 +445,11 @@ class Trainer:
             assert self.eval_batches is not None  # areal check: evaluation needs an eval_dataset
             batches = self.eval_batches.all_batches(min_size=distributed.dp_world())
             loader = map(distributed.dp_slice, batches)
-            for k, v in call.interface.evaluate(call.model, loader).items():
+            samples = self.recipe.trainer.eval
+            takes = samples is not None and "samples" in inspect.signature(call.interface.evaluate).parameters
+            evaluate: Any = call.interface.evaluate  # `samples`: interfaces that sample (ppo_actor)
+            found = evaluate(call.model, loader, samples=samples) if takes else evaluate(call.model, loader)
+            for k, v in found.items():
                 out[f"eval/{k}" if f"eval/{k}" not in out else f"eval/{call.spec.name}/{k}"] = v
         return distributed.mean_over_ranks(out)
 
