@@ -702,7 +702,9 @@ def test_launch_command_uses_sglang_flags(sglang_src):
         launch="sglang", tp_size=2, mem_fraction_static=0.8, context_length=4096, dtype="bfloat16"
     )
     cmd = launcher.server_command(args, "/models/qwen", 30001, index=1)
-    assert cmd[1:3] == ["-m", "sglang.launch_server"] and (sglang_src / "sglang/launch_server.py").exists()
+    # `python -m sglang.launch_server ...` through a wrapper that appends --api-key from the environment
+    assert cmd[1:3] == ["-c", launcher.SGLANG_WITH_KEY] and (sglang_src / "sglang/launch_server.py").exists()
+    assert "runpy.run_module('sglang.launch_server', run_name='__main__')" in launcher.SGLANG_WITH_KEY
     declared = set()
     for f in (sglang_src / "sglang/srt/arg_groups/fields").glob("*.py"):
         tree = ast.parse(f.read_text())
@@ -713,6 +715,23 @@ def test_launch_command_uses_sglang_flags(sglang_src):
             for n in c.body
             if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
         }
-    flags = {c[2:].replace("-", "_") for c in cmd if c.startswith("--")}
+    flags = {c[2:].replace("-", "_") for c in cmd if c.startswith("--")} | {"api_key"}
     assert flags <= declared, flags - declared
     assert cmd[cmd.index("--base-gpu-id") + 1] == "2"  # server 1 of tp 2 starts at GPU 2
+
+
+def test_the_sglang_wrapper_passes_the_key_inside_the_process(tmp_path):
+    """A stand-in `sglang.launch_server` module shows what the real one would get: its flags, then
+    --api-key from AREAL_API_KEY, which its own children no longer inherit."""
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    (tmp_path / "sglang" / "launch_server.py").write_text(
+        "import os, sys\nprint(sys.argv[1:], os.environ.get('AREAL_API_KEY'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", launcher.SGLANG_WITH_KEY, "--port", "1"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "AREAL_API_KEY": "k-1"},
+    )
+    assert out.stdout.strip() == "['--port', '1', '--api-key', 'k-1'] None", out.stderr

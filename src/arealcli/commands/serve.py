@@ -3,6 +3,7 @@ OpenAI's (/v1/completions, /v1/chat/completions, /v1/models)."""
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 from pathlib import Path
 
@@ -40,7 +41,29 @@ def serve(
         256, min=1, help="Most samples in one generate call, and most prompts in one request."
     ),
     max_n: int = typer.Option(64, min=1, help="Most samples per prompt (n) in one request."),
-    max_body_mb: int = typer.Option(64, min=1, help="Largest request body in MiB (larger: 413)."),
+    max_body_mb: int = typer.Option(16, min=1, help="Largest request body in MiB (larger: 413)."),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="AREAL_API_KEY",
+        metavar="KEY",
+        help="Require Authorization: Bearer KEY on every endpoint but /health (prefer the AREAL_API_KEY "
+        "variable: a command line is visible to `ps`).",
+    ),
+    admin_key: str = typer.Option(
+        None,
+        "--admin-key",
+        envvar="AREAL_ADMIN_KEY",
+        metavar="KEY",
+        help="The key of the control endpoints (weight updates, abort, slow_down, flush_cache); default: "
+        "the API key.",
+    ),
+    allow_unauthenticated: bool = typer.Option(
+        False,
+        "--allow-unauthenticated",
+        metavar="",
+        help="Listen on an address other machines reach without a key (refused otherwise).",
+    ),
     weight_version: str = typer.Option("default", help="weight_version reported until an update sets one."),
     num_threads: int = typer.Option(
         0, min=0, help="torch CPU threads (0 = torch's default; 1 is fastest for small models on busy CPUs)."
@@ -59,7 +82,16 @@ def serve(
     """
     if not (model / "config.json").is_file():
         raise fail([f"--model {model}: not a Hugging Face model directory (no config.json)"])
-    from arealcli.runtime.serve.http_server import make_server, serve_forever
+    if admin_key is not None and api_key is None:
+        raise fail(["--admin-key needs --api-key (or AREAL_API_KEY): the other endpoints would be open"])
+    if api_key is None and not allow_unauthenticated and not _loopback(host):
+        raise fail(
+            [
+                f"--host {host}: other machines can reach this address, and the server has no key. Set "
+                "AREAL_API_KEY (or --api-key), or pass --allow-unauthenticated to serve without one"
+            ]
+        )
+    from arealcli.runtime.serve.http_server import Keys, make_server, serve_forever
 
     if num_threads:
         import torch
@@ -79,6 +111,7 @@ def serve(
             log_requests,
             max_n,
             max_body_mb,
+            Keys(api_key, admin_key, os.environ.get(WEIGHTS_DIR_ENV)),
         )
     except OSError as e:
         raise fail([str(e)]) from None
@@ -93,3 +126,18 @@ def serve(
         serve_forever(server, ready)
     except KeyboardInterrupt:
         console.print("stopped")
+
+
+# Set by `areal train` for the servers it launches: the only folder their weight updates may load from.
+WEIGHTS_DIR_ENV = "AREAL_WEIGHTS_DIR"
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -11,6 +11,7 @@ forward passes (`areal check` refuses such calls on it).
 from __future__ import annotations
 
 import atexit
+import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +24,9 @@ from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.models.weights import export_hf
 from arealcli.runtime.wire.sglang import update_weights_payload
 from arealcli.schema.components.backends import SGLangBackendArgs
+
+API_KEY_ENV = "AREAL_API_KEY"  # what `areal serve` (and our SGLang wrapper) read the key from
+WEIGHTS_DIR_ENV = "AREAL_WEIGHTS_DIR"  # the only folder a launched server's weight updates load from
 
 
 class SGLangEngine(InferenceEngine):
@@ -52,6 +56,7 @@ class SGLangBackend(ModelBackend):
         super().__init__(args)
         self.servers: list[launcher.ServerProcess] = []
         self.supervisor: launcher.Supervisor | None = None  # restarts launched servers that die or hang
+        self.api_key: str | None = None  # the launched servers' key (fresh per run, never on a command line)
         self.loop: EventLoopThread | None = None
         self.client: GenerationClient | None = None
         self._tmp_dir: str | None = None
@@ -68,6 +73,7 @@ class SGLangBackend(ModelBackend):
                 **a.client_options(),
                 max_abort_resends=a.max_abort_resends,
                 supervisor=self.supervisor,
+                api_key=self.api_key if a.launch is not None else a.key(),
             )
             self.loop = EventLoopThread()
             self.loop.run(self.client.check_all())
@@ -87,7 +93,9 @@ class SGLangBackend(ModelBackend):
         weights = root / "weights" / model.name / "init"
         export_hf(model.initial_module(), model.tokenizer, weights)
         atexit.register(self._stop_servers)  # also when the trainer never reaches destroy()
-        self.servers = launcher.launch(a, str(weights), root / "servers", model.name)
+        self.api_key = secrets.token_urlsafe(32)  # this run's, for its servers alone
+        keys = {API_KEY_ENV: self.api_key, WEIGHTS_DIR_ENV: str((root / "weights").resolve())}
+        self.servers = launcher.launch(a, str(weights), root / "servers", model.name, secrets=keys)
         launcher.wait_ready(self.servers, a.startup_timeout_s)
         self._supervise(model.name)
         return [s.address for s in self.servers]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import secrets
 import tempfile
 from pathlib import Path
 
@@ -103,7 +104,8 @@ class VLLMBackend(SGLangBackend):
         a: VLLMBackendArgs = self.args
         try:
             addresses = self._launch(model, spec) if a.launch else list(a.addresses)
-            self.client = VLLMClient(addresses, **a.client_options(), supervisor=self.supervisor)
+            key = self.api_key if a.launch else a.key()
+            self.client = VLLMClient(addresses, **a.client_options(), supervisor=self.supervisor, api_key=key)
             self.loop = EventLoopThread()
             self.loop.run(self.client.check_all())
             if a.launch:
@@ -125,6 +127,7 @@ class VLLMBackend(SGLangBackend):
         export_hf(model.initial_module(), model.tokenizer, weights)
         python = a.python_executable or os.environ.get(PYTHON_ENV) or "python"
         atexit.register(self._stop_servers)  # also when the trainer never reaches destroy()
+        self.api_key = secrets.token_urlsafe(32)
         self.servers = launcher.launch(
             a,
             str(weights),
@@ -132,6 +135,7 @@ class VLLMBackend(SGLangBackend):
             model.name,
             command=lambda port, i: server_command(a, python, str(weights), port),
             extra_env=lambda i: server_env(a, i),
+            secrets={"VLLM_API_KEY": self.api_key},  # vLLM's own variable: its /v1 routes want it
         )
         launcher.wait_ready(self.servers, a.startup_timeout_s)
         self._supervise(model.name)

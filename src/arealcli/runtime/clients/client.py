@@ -127,6 +127,7 @@ class GenerationClient(GroupGenerator):
         health_interval_s: float = 5.0,
         supervisor: Any = None,
         reconnect_timeout_s: float = 60.0,
+        api_key: str | None = None,
     ):
         if not addresses:
             raise ValueError("a generation client needs at least one server address")
@@ -143,6 +144,7 @@ class GenerationClient(GroupGenerator):
         if supervisor is not None:
             self.why_down = supervisor.why_down
         self.reconnect_timeout_s = reconnect_timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.current_update: Any = None  # the newest weight update: a restarted server gets it
         self.events: list[str] = []  # restarts and reconnections, for the console (taken by the trainer)
         self.restarts, self.time_lost_s = 0, 0.0
@@ -160,6 +162,7 @@ class GenerationClient(GroupGenerator):
         flight httpx's connection pool costs ~10 ms a request (encode/httpx#3215)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
+                headers=self.headers,
                 connector=aiohttp.TCPConnector(limit=self.max_concurrent_requests + len(self.servers)),
                 timeout=aiohttp.ClientTimeout(
                     total=self.request_timeout_s, sock_connect=self.connect_timeout_s

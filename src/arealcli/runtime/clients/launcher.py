@@ -67,14 +67,23 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+# `python -m sglang.launch_server ARGS`, given its --api-key from the environment (AREAL_API_KEY) inside
+# the process: the key is never on a command line, which every user of the machine can read (`ps`).
+SGLANG_WITH_KEY = (
+    "import os, runpy, sys; key = os.environ.pop('AREAL_API_KEY', None); "
+    "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key', key] if key else []); "
+    "runpy.run_module('sglang.launch_server', run_name='__main__')"
+)
+
+
 def server_command(args: SGLangBackendArgs, model_path: str, port: int, index: int) -> list[str]:
     """The command line of server `index` (launch: sglang or embedded)."""
     python = args.python or sys.executable
     if args.launch == "sglang":
         cmd = [
             python,
-            "-m",
-            "sglang.launch_server",
+            "-c",
+            SGLANG_WITH_KEY,
             "--model-path",
             model_path,
             "--host",
@@ -160,9 +169,11 @@ def launch(
     name: str,
     command: Callable[[int, int], list[str]] | None = None,
     extra_env: Callable[[int], dict[str, str]] | None = None,
+    secrets: dict[str, str] | None = None,
 ) -> list[ServerProcess]:
     """Start `args.num_servers` servers; `command(port, index)` and `extra_env(index)` override the
-    sglang/embedded command line and add environment variables (other server kinds, e.g. vllm)."""
+    sglang/embedded command line and add environment variables (other server kinds, e.g. vllm).
+    `secrets` (an API key) go to every server through its environment only, never its command line."""
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: list[ServerProcess] = []
     for i in range(args.num_servers):
@@ -178,6 +189,7 @@ def launch(
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(devices)
         env.update(extra_env(i) if extra_env is not None else {})
+        env.update(secrets or {})
         if cpus:
             check_cpus(cpus)
         elif os.environ.get(UNPLACED_CPUS_ENV):  # not the trainer's cores it was started from

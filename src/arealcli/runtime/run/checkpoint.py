@@ -19,6 +19,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 from collections.abc import Callable
@@ -229,7 +230,13 @@ def reading(path: Path):
         yield
     except UserError:
         raise
-    except Exception as e:  # a truncated or foreign file: torch / safetensors / pickle errors
+    except pickle.UnpicklingError as e:  # weights_only: something other than tensors and plain data
+        raise UserError(
+            f"refusing to load {path}: it holds Python objects other than tensors, numbers, strings, lists "
+            "and dicts, which loading would construct (a checkpoint from elsewhere could run code that way). "
+            f"What torch found: {str(e).strip().splitlines()[0][:300]}"
+        ) from None
+    except Exception as e:  # a truncated or foreign file: torch / safetensors errors
         raise UserError(
             f"cannot load {path} from the checkpoint: {type(e).__name__}: {str(e).strip().splitlines()[0]}"
         ) from None

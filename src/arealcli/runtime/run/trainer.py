@@ -229,7 +229,8 @@ class Trainer:
     def _restore_trainer_state(self, resume_from: Path) -> None:
         """Step counters, model versions, interface state (KL controllers) and every rank's RNG."""
         with ckpt.reading(resume_from / "trainer_state.pt"):
-            state = torch.load(resume_from / "trainer_state.pt", weights_only=False)
+            # tensors and plain data only: a crafted file cannot construct objects (run code) here
+            state = torch.load(resume_from / "trainer_state.pt", weights_only=True)
         self.global_step = state["global_step"]
         for name, version in state["versions"].items():
             self.models[name].version.__dict__.update(version)

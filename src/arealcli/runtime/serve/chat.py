@@ -5,6 +5,7 @@ runner and batching scheduler of `areal serve`, without HTTP), or an OpenAI-comp
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -92,7 +93,12 @@ class RemoteChat:
         root = url.rstrip("/")
         self.base = root if root.endswith("/v1") else f"{root}/v1"
         loopback = parts.hostname in ("127.0.0.1", "localhost", "::1")
-        self.http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10), trust_env=not loopback)
+        key = os.environ.get("AREAL_API_KEY")  # a keyed server (areal serve --api-key, vLLM --api-key)
+        self.http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=10),
+            trust_env=not loopback,
+            headers={"Authorization": f"Bearer {key}"} if key else None,
+        )
         self.model = model or self._served_model()
         self.name = f"{self.model} at {url}"
         self.chat_template = self._has_chat_template()

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
+import hmac
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import signal
 import socket
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -47,9 +49,13 @@ from arealcli.runtime.wire.openai import (
 )
 from arealcli.runtime.wire.sglang import ProtocolError, generate_response, parse_generate
 
+logger = logging.getLogger(__name__)
+
 
 class GenerationService:
     """The endpoints, as methods: body (parsed JSON) -> (status, JSON payload, or text when a str)."""
+
+    weights_dir: str | None = None  # set by make_app: where /update_weights_from_disk may load from
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_n: int = 64):
         self.runner, self.scheduler = runner, scheduler
@@ -229,6 +235,12 @@ class GenerationService:
                 "message": "model_path (a string) is required",
                 "num_paused_requests": 0,
             }
+        if self.weights_dir is not None and not _below(body["model_path"], self.weights_dir):
+            return 403, {
+                "success": False,
+                "message": f"this server loads weights only from below {self.weights_dir}",
+                "num_paused_requests": 0,
+            }
         _injected_death_on_update()
         version = body.get("weight_version")
         ok, message = await asyncio.to_thread(  # waits for the running batch: off the event loop
@@ -345,11 +357,52 @@ def _too_deep(value: Any, raw: bytes) -> bool:
     return False
 
 
-def make_app(service: GenerationService, max_body_mb: int = 64) -> web.Application:
+# Endpoints that change what the server does for everyone: the admin key (when set) guards them.
+CONTROL = {"update_weights_from_disk", "abort_request", "slow_down", "flush_cache"}
+OPEN = {"health"}  # answered without a key (liveness probes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Keys:
+    """Who may call: `api` for every endpoint but /health, `admin` (default: the API key) for CONTROL.
+    `weights_dir`: /update_weights_from_disk loads only from below it (servers launched by a run)."""
+
+    api: str | None = None
+    admin: str | None = None
+    weights_dir: str | None = None
+
+    def refusal(self, name: str, header: str | None) -> tuple[int, str] | None:
+        """(401 or 403, why) when a request with Authorization `header` may not call endpoint `name`."""
+        if self.api is None or name in OPEN:
+            return None
+        given = header[7:] if header is not None and header.startswith("Bearer ") else None
+        admin = self.admin or self.api
+        if name in CONTROL:
+            if given is not None and hmac.compare_digest(given.encode(), admin.encode()):
+                return None
+            if given is not None and hmac.compare_digest(given.encode(), self.api.encode()):
+                return 403, f"/{name} needs the admin key (areal serve --admin-key), not the API key"
+            return 401, "a valid key is required: Authorization: Bearer KEY"
+        if given is not None and (
+            hmac.compare_digest(given.encode(), self.api.encode())
+            or hmac.compare_digest(given.encode(), admin.encode())
+        ):
+            return None
+        return 401, "a valid API key is required: Authorization: Bearer KEY"
+
+
+def make_app(service: GenerationService, max_body_mb: int = 16, keys: Keys | None = None) -> web.Application:
+    keys = keys or Keys()
+    service.weights_dir = keys.weights_dir
+
     def route(name: str):
         method = getattr(service, name)
 
         async def handle(request: web.Request) -> web.Response:
+            refused = keys.refusal(name, request.headers.get("Authorization"))
+            if refused is not None:  # logged without the key
+                logger.warning("%s %s from %s: %s", refused[0], request.path, request.remote, refused[1])
+                return _respond(refused[0], {"error": {"message": refused[1]}})
             try:
                 raw = await request.read()
             except web.HTTPRequestEntityTooLarge:
@@ -389,14 +442,23 @@ def make_app(service: GenerationService, max_body_mb: int = 64) -> web.Applicati
     return app
 
 
+def _below(path: str, root: str) -> bool:
+    return Path(path).resolve().is_relative_to(Path(root).resolve())
+
+
 class GenerationServer:
     """A bound socket, the service behind it, and the loop that serves it (`serve_forever`)."""
 
     def __init__(
-        self, service: GenerationService, sock: socket.socket, log_requests: bool, max_body_mb: int = 64
+        self,
+        service: GenerationService,
+        sock: socket.socket,
+        log_requests: bool,
+        max_body_mb: int = 16,
+        keys: Keys | None = None,
     ):
         self.service, self.sock, self.log_requests = service, sock, log_requests
-        self.max_body_mb = max_body_mb
+        self.max_body_mb, self.keys = max_body_mb, keys
 
     @property
     def server_address(self) -> tuple[str, int]:
@@ -406,7 +468,7 @@ class GenerationServer:
         if self.log_requests:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
         access_log = logging.getLogger("aiohttp.access") if self.log_requests else None
-        runner = web.AppRunner(make_app(self.service, self.max_body_mb), access_log=access_log)
+        runner = web.AppRunner(make_app(self.service, self.max_body_mb, self.keys), access_log=access_log)
         await runner.setup()
         await web.SockSite(runner, self.sock, backlog=1024).start()
         if on_ready is not None:
@@ -437,7 +499,8 @@ def make_server(
     weight_version: str = "default",
     log_requests: bool = False,
     max_n: int = 64,
-    max_body_mb: int = 64,
+    max_body_mb: int = 16,
+    keys: Keys | None = None,
 ) -> GenerationServer:
     """Load the model, bind the socket (port 0 = any free port) and start the batching loop."""
     runner = ModelRunner(model_path, device, dtype)
@@ -452,7 +515,9 @@ def make_server(
     # 0.3-0.5 s per full collection under load, during which neither thread runs.
     gc.collect()
     gc.freeze()
-    return GenerationServer(GenerationService(runner, scheduler, max_n), sock, log_requests, max_body_mb)
+    return GenerationServer(
+        GenerationService(runner, scheduler, max_n), sock, log_requests, max_body_mb, keys
+    )
 
 
 def serve_forever(server: GenerationServer, on_ready=None) -> None:

@@ -254,6 +254,12 @@ class ServerFleetArgs(Placement):
         "at most this many times within restart_window_s; once more ends the run. 0: never restarted.",
     )
     restart_window_s: float = Field(3600.0, gt=0, description="The window that max_restarts counts in.")
+    api_key_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Servers given by `addresses` that want a key: the name of the environment variable "
+        "holding it (never the key itself in a recipe). Launched servers get a fresh key per run.",
+    )
     reconnect_timeout_s: float = Field(
         60.0,
         ge=0,
@@ -265,6 +271,21 @@ class ServerFleetArgs(Placement):
     @classmethod
     def _addresses(cls, addresses: list[str]) -> list[str]:
         return [_check_address(a) for a in addresses]
+
+    def key(self) -> str | None:
+        """The key for servers given by address (from `api_key_env`); an error when it is not set."""
+        if self.api_key_env is None:
+            return None
+        import os
+
+        from arealcli.errors import UserError
+
+        value = os.environ.get(self.api_key_env)
+        if not value:
+            raise UserError(
+                f"api_key_env: the environment variable {self.api_key_env} (the servers' API key) is not set"
+            )
+        return value
 
     def server_cpus(self, index: int) -> list[int] | None:
         """The cores of launched server `index`."""

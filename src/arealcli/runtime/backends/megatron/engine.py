@@ -352,8 +352,8 @@ class MegatronEngine(TrainEngine):
         path = self._optimizer_file(load_dir, "state")
         if self.optimizer is None or not os.path.exists(path):
             return
-        # Our own file; megatron's optimizer state holds more than tensors.
-        state = torch.load(path, map_location=self.device, weights_only=False)
+        # tensors and plain data only (a crafted file cannot construct objects here)
+        state = torch.load(path, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.distributed_optimizer:
             self.optimizer.load_parameter_state(self._optimizer_file(load_dir, "param_state"))
