@@ -16,7 +16,7 @@ LAYERS = {
     "engines": 2,
     "clients": 3,
     "backends": 4, "agents": 4, "interfaces": 4,
-    "run": 5, "serve": 5,
+    "run": 5, "serve": 5, "eval": 5,
 }  # fmt: skip
 
 

@@ -6,6 +6,6 @@ Folders, in layers (a package imports, at module level, only packages of lower l
     2  engines
     3  clients
     4  backends, agents, interfaces
-    5  run, serve
+    5  run, serve, eval
 `tests/test_layout.py` holds the house to this.
 """
