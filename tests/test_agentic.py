@@ -530,9 +530,9 @@ def test_openai_client_chat_and_refusals(openai_server, char_tok):
     assert c.message.content == char_tok.decode(c.model_extra["token_ids"], skip_special_tokens=True)
 
     for kwargs, said in [
-        ({"stream": True}, "stream"),
+        ({"extra_body": {"echo": True}}, "echo"),
         ({"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}, "Hermes-style"),
-        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ]:
         with pytest.raises(openai.BadRequestError) as e:

@@ -125,8 +125,9 @@ def test_a_missing_data_key_lists_the_keys(ws, cli):
     recipe["dataflow"]["calls"] = recipe["dataflow"]["calls"][1:]
     path = ws.text("nomask.yaml", yaml.safe_dump(recipe))
     result = cli("train", path, "-o", ws.root / "run2")
-    assert result.exit_code != 0
-    assert "'mask' is not in this batch; it has ['packed_input_ids', 'prompt_mask']" in str(result.exception)
+    assert result.exit_code == 1  # a failure in training: one message, the traceback in crash.log
+    assert "'mask' is not in this batch; it has ['packed_input_ids', 'prompt_mask']" in result.output
+    assert "Traceback" not in result.output and (ws.root / "run2" / "logs" / "crash.log").is_file()
 
 
 # A backend in the shape of AReaL's "Customization: Backends" example: a ModelBackend whose `_initialize`

@@ -155,6 +155,60 @@ class ModelRunner:
             for ids, lps, trunc in zip(res.output_ids, res.logprobs, res.no_eos, strict=True)
         ]
 
+    @torch.no_grad()
+    def score(
+        self, rows: list[tuple[list[int], int]], top_n: int = 0, g=None
+    ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
+        """For each (ids, start), start >= 1: the log-prob of ids[p] after ids[:p] for p = start ..
+        len(ids) - 1, and (top_n > 0) the top_n most likely tokens there as (token, log-prob), best first.
+        One forward pass over ids (no cache; rows right-padded into batches of a bounded size), the
+        log-softmax in fp32: the model's own distribution, or with `g` (GenerationHyperparameters) the one
+        sampling draws from (temperature, top-k, top-p)."""
+        budget = max(1024, (1 << 29) // max(1, self.vocab_size))  # tokens per forward: bounds the logits
+        out: list[tuple[list[float], list[list[tuple[int, float]]]]] = []
+        at = 0
+        while at < len(rows):
+            end, longest = at + 1, len(rows[at][0])
+            while end < len(rows) and max(longest, len(rows[end][0])) * (end - at + 1) <= budget:
+                longest = max(longest, len(rows[end][0]))
+                end += 1
+            out += self._score_batch(rows[at:end], top_n, g)
+            at = end
+        return out
+
+    def _score_batch(self, rows: list[tuple[list[int], int]], top_n: int, g) -> list:
+        L = max(len(ids) for ids, _ in rows)
+        batch = torch.full((len(rows), L), self.pad_id, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(rows), L, dtype=torch.long, device=self.device)
+        for b, (ids, start) in enumerate(rows):
+            if not 1 <= start <= len(ids):
+                raise ValueError(f"score: start must be in [1, {len(ids)}] (got {start})")
+            batch[b, : len(ids)] = torch.tensor(ids, device=self.device)
+            mask[b, : len(ids)] = 1
+        padded = any(len(ids) < L for ids, _ in rows)  # right padding: real tokens see only real ones
+        with self.autocast():
+            logits = self.module(
+                input_ids=batch, attention_mask=mask if padded else None, use_cache=False
+            ).logits
+        results = []
+        for b, (ids, start) in enumerate(rows):
+            lps: list[float] = []
+            tops: list[list[tuple[int, float]]] = []
+            for lo in range(start, len(ids), 1024):  # positions in chunks: fp32 copies stay small
+                hi = min(lo + 1024, len(ids))
+                lg = logits[b, lo - 1 : hi - 1].float()
+                logp = torch.log_softmax(lg if g is None else generation.process_logits(lg, g), dim=-1)
+                target = torch.tensor(ids[lo:hi], device=logp.device)
+                lps += logp.gather(-1, target[:, None])[:, 0].tolist()
+                if top_n > 0:
+                    values, best = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
+                    tops += [
+                        list(zip(t, v, strict=True))
+                        for t, v in zip(best.tolist(), values.tolist(), strict=True)
+                    ]
+            results.append((lps, tops))
+        return results
+
     def load_weights(self, path: str) -> None:
         """Load an HF export in place; checked first, so a bad directory leaves the weights untouched."""
         from safetensors import safe_open

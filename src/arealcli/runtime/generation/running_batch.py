@@ -4,10 +4,14 @@ Each row is one sample with its own prompt, length, sampling params, stop tokens
 step samples the next token of every row from the logits of the last forward pass (rows with the same
 sampling params in one `sampling.sample` call, so a row draws what it would draw alone), records it, and
 drops the rows that finished; one forward pass then feeds the new tokens of the rows that remain.
+A row's token and log-prob lists are its sample's (`Sequence.output_ids`, `.logprobs`): readers see them
+grow. A sample with `top_n` also gets, at every step, the top_n most likely tokens of the distribution its
+token was drawn from (`Sequence.top`), from the same log-probs as its own token's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,9 +70,9 @@ class RunningBatch:
         for s in seqs:
             texts = generation.StopTexts(s.sampling.stop, r.decode) if s.sampling.stop else None
             min_new = min(s.sampling.min_new_tokens, s.max_new_tokens)
-            self.rows.append(
-                Row(s, s.sampling.batch_key(), frozenset(r.stop_ids(s.sampling)), min_new, texts)
-            )
+            row = Row(s, s.sampling.batch_key(), frozenset(r.stop_ids(s.sampling)), min_new, texts)
+            s.output_ids, s.logprobs, s.top = row.ids, row.logprobs, []  # seen as they grow
+            self.rows.append(row)
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self._groups = None
 
@@ -109,6 +113,7 @@ class RunningBatch:
             if early and len(g.stop):  # min_new_tokens: no stop token yet
                 logits[torch.tensor(early, device=logits.device)[:, None], g.stop[None, :]] = float("-inf")
             tok, lp = generation.sample(logits, g.params)
+            self._record_top(g, logits)
             if g.rows is None:
                 tokens, logps = tok, lp
             else:
@@ -131,6 +136,36 @@ class RunningBatch:
             tokens = tokens[torch.tensor(keep, dtype=torch.long, device=tokens.device)]
         self.tokens = tokens
         return finished
+
+    def _record_top(self, g: _Group, logits: torch.Tensor) -> None:
+        """The top_n alternatives of the rows of group `g` that ask for them, from the distribution sampled
+        (`logits`: the group's, as `sample` got them)."""
+        want = [j for j, i in enumerate(g.members) if self.rows[i].seq.top_n > 0]
+        if not want:
+            return
+        sel = torch.tensor(want, device=logits.device)
+        logp = torch.log_softmax(generation.process_logits(logits[sel].float(), g.params), dim=-1)
+        k = min(max(self.rows[g.members[j]].seq.top_n for j in want), logp.shape[-1])
+        values, ids = logp.topk(k, dim=-1)
+        for j, vs, ts in zip(want, values.tolist(), ids.tolist(), strict=True):
+            seq = self.rows[g.members[j]].seq
+            seq.top.append(list(zip(ts[: seq.top_n], vs[: seq.top_n], strict=True)))
+
+    def drop(self, which: Callable[[Row], bool]) -> list[Row]:
+        """Remove the rows `which` picks (between steps: after a forward pass); the rows removed."""
+        picked = [which(row) for row in self.rows]
+        if not any(picked):
+            return []
+        gone = [row for row, p in zip(self.rows, picked, strict=True) if p]
+        keep = [i for i, p in enumerate(picked) if not p]
+        self.decoder.keep(keep)
+        if self.logits is not None:
+            self.logits = self.logits[torch.tensor(keep, dtype=torch.long, device=self.logits.device)]
+        if self.tokens is not None:
+            self.tokens = self.tokens[torch.tensor(keep, dtype=torch.long, device=self.tokens.device)]
+        self.rows = [self.rows[i] for i in keep]
+        self._groups = None
+        return gone
 
     @staticmethod
     def _finish(row: Row, token: int) -> dict[str, Any] | None:

@@ -13,10 +13,17 @@ generate call per sampling params.
 
 Weight updates follow SGLang: with `abort_all_requests` every queued and running sample is aborted first
 (it returns finish_reason "abort" with the tokens generated so far); otherwise the update waits until the
-running samples finish. No sample starts while an update is pending.
+running samples finish. No sample starts while an update is pending. `abort(seqs)` aborts only the given
+samples (a client that went away): queued ones leave the queue, running ones leave the batch before the
+next step; they end as "abort" with the tokens they have.
+
+While a sample runs in a continuous batch, its `output_ids` and `logprobs` (and `top`, when `top_n`
+asks for the best alternatives of every generated token) are the lists the batch appends to: a reader
+(a streaming response) sees its tokens as they come.
 
 `stats`: batches (prefills: groups of prompts that joined together), steps (decoding steps), forwards
-(model forward passes: batches + steps), samples, tokens, max_running (most samples in one step).
+(model forward passes: batches + steps), samples, tokens, max_running (most samples in one step),
+aborted (samples aborted one by one with `abort`).
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ class Sequence:
     done: threading.Event = field(default_factory=threading.Event)
     on_done: Callable[[], object] | None = None  # called (from the scheduler's thread) once done
     queued_at: float = 0.0  # time.monotonic() when submitted
+    top_n: int = 0  # also record the top_n most likely tokens at every generated position (in `top`)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)  # (token, log-prob), best first
+    cancelled: bool = False  # set by Scheduler.abort: the sample ends at the next step
 
     @property
     def finished_as(self) -> dict[str, Any]:
@@ -101,7 +111,15 @@ class Scheduler:
         self._update_lock = threading.Lock()
         self.forward_sleep_s = 0.0  # SGLang's /slow_down: sleep before every decode step (tests)
         self._thread = threading.Thread(target=self._loop, name="batching-loop", daemon=True)
-        self.stats = {"batches": 0, "steps": 0, "forwards": 0, "samples": 0, "tokens": 0, "max_running": 0}
+        self.stats = {
+            "batches": 0,
+            "steps": 0,
+            "forwards": 0,
+            "samples": 0,
+            "tokens": 0,
+            "max_running": 0,
+            "aborted": 0,
+        }
 
     def start(self) -> None:
         self._thread.start()
@@ -139,6 +157,25 @@ class Scheduler:
         for s in queued:
             s.complete(finish_abort(message), version=self.weight_version)
         return len(queued)
+
+    def abort(self, seqs: list[Sequence], message: str = "Aborted: the client went away") -> None:
+        """Abort these samples only: queued ones end now, running ones before the next decoding step (with
+        the tokens they have; a batch that runs whole stops once all its samples are aborted)."""
+        with self._cv:
+            for s in seqs:
+                s.cancelled = True
+            queued = [s for s in self._queue if s.cancelled]
+            if queued:
+                self._queue = deque(s for s in self._queue if not s.cancelled)
+            self.stats["aborted"] += len(queued)
+        for s in queued:
+            s.complete(finish_abort(message), version=self.weight_version)
+
+    def score(self, rows: list[tuple[list[int], int]], top_n: int, g=None):
+        """`runner.score(rows, top_n, g)` (prompt log-probs: one forward pass, no cache), run by the calling
+        thread with no weight update in between (it holds their lock); and the weight version it used."""
+        with self._update_lock:
+            return self.runner.score(rows, top_n, g), self.weight_version
 
     def update_weights(self, path: str, version: str | None, abort: bool) -> tuple[bool, str]:
         with self._update_lock:
@@ -240,6 +277,11 @@ class Scheduler:
                 message = self._abort_message
             if aborted:  # the running samples end with what they have
                 self._abort_rows(batch, message)
+            for row in batch.drop(lambda row: row.seq.cancelled):  # aborted one by one (Scheduler.abort)
+                self.stats["aborted"] += 1
+                row.seq.complete(
+                    finish_abort("Aborted: the client went away"), row.ids, row.logprobs, self.weight_version
+                )
             with self._cv:
                 if not len(batch):  # idle: a waiting weight update may go ahead
                     self._running = False
@@ -274,7 +316,10 @@ class Scheduler:
             time.sleep(self.forward_sleep_s)
         join = []
         for s in new:
-            if s.max_new_tokens == 0:
+            if s.cancelled:  # aborted between the queue and the batch
+                self.stats["aborted"] += 1
+                s.complete(finish_abort("Aborted: the client went away"), version=self.weight_version)
+            elif s.max_new_tokens == 0:
                 s.complete(finish_length(s.sampling.max_new_tokens), version=self.weight_version)
             elif s.sampling.stop and self.runner.tokenizer is None:
                 s.fail(f"{self.runner.model_path} has no tokenizer: stop texts need one (use stop_token_ids)")
@@ -300,7 +345,7 @@ class Scheduler:
         def aborted() -> bool:  # polled before every decode step
             if self.forward_sleep_s:
                 time.sleep(self.forward_sleep_s)
-            return self._abort_epoch != epoch
+            return self._abort_epoch != epoch or all(s.cancelled for s in batch)
 
         def step() -> bool:  # polled by `generate` before every decoding step
             self.stats["steps"] += 1
@@ -323,7 +368,7 @@ class Scheduler:
                 rows = self.runner.generate([s.prompt for s in todo], key, max_new, step)
                 was_aborted = self._abort_epoch != epoch
                 for s, row in zip(todo, rows, strict=True):
-                    self._finish(s, row, was_aborted, version)
+                    self._finish(s, row, was_aborted or s.cancelled, version)
             for s in todo:
                 if not s.done.is_set():
                     s.complete(finish_abort(self._abort_message), version=version)

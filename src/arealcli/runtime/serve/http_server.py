@@ -8,7 +8,8 @@
     GET  /get_model_info, /model_info
     GET  /get_server_info, /server_info  (internal_states: the scheduler's counters, see `scheduler`)
     GET|POST /flush_cache            nothing is cached across requests: always succeeds
-    POST /v1/completions, /v1/chat/completions, GET /v1/models   OpenAI-compatible (openai_api)
+    POST /v1/completions, /v1/chat/completions, GET /v1/models   OpenAI-compatible (wire/openai.py;
+                                     stream: true answers server-sent events, see `EventStream`)
 
 One event-loop thread serves every connection (no thread per connection: on a busy CPU, handing requests
 between many threads costs more than generating) and does all per-request work: JSON, tokenizing,
@@ -30,6 +31,7 @@ import signal
 import socket
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +42,20 @@ from arealcli.runtime.generation.sampling import StopTexts
 from arealcli.runtime.generation.scheduler import Scheduler, Sequence
 from arealcli.runtime.wire.openai import (
     Choice,
+    ChunkPiece,
+    Logprobs,
     OpenAIRequest,
+    chat_logprobs,
+    chat_tool_calls,
+    chunk,
+    completion_logprobs,
     completion_response,
     finish_of,
     models_response,
     parse_chat_request,
     parse_completion_request,
+    streamable,
+    usage,
 )
 from arealcli.runtime.wire.sglang import ProtocolError, generate_response, parse_generate
 
@@ -138,14 +148,15 @@ class GenerationService:
 
     # ------------------------------------------------------------------ OpenAI-compatible
 
-    def _prompt_ids(self, prompt: list[int] | str) -> list[int]:
+    def _prompt_ids(self, prompt: list[int] | str, room: int = 1) -> list[int]:
+        """A prompt's token ids, checked; `room`: the context positions it must leave for generation."""
         r = self.runner
         ids = prompt if isinstance(prompt, list) else r.encode(prompt)
         if not ids:
             raise ProtocolError("a prompt encodes to no tokens; give at least one")
         if max(ids) >= r.vocab_size or min(ids) < 0:
             raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
-        if len(ids) >= r.context_length:
+        if len(ids) > r.context_length - room:
             raise ProtocolError(
                 f"the prompt ({len(ids)} tokens) leaves no room in the model's context ({r.context_length} tokens)"
             )
@@ -166,56 +177,258 @@ class GenerationService:
         return self._prompt_ids(tok.encode(rendered, add_special_tokens=False))
 
     async def _openai(self, req: OpenAIRequest) -> tuple[int, Any]:
-        """Every prompt's n choices; a sample aborted by a weight update is continued on the new weights."""
+        """Every prompt's n choices, whole or streamed (`EventStream`); every sample runs as its own task
+        (submitted together: they batch), continued on the new weights when a weight update aborts it."""
         r = self.runner
         self._check_size(len(req.prompts), req.sampling.n)
-        prompts = [self._prompt_ids(p) for p in req.prompts]
-        choices: list[Choice] = []
-        for ids in prompts:
-            room = r.context_length - len(ids)
-            max_new = min(req.sampling.max_new_tokens, room)
-            seqs = [Sequence(f"oai-{j}", ids, req.sampling, max_new) for j in range(req.sampling.n)]
-            out: list[list[int]] = [[] for _ in seqs]
-            lps: list[list[float]] = [[] for _ in seqs]
-            versions: list[list[str]] = [[] for _ in seqs]
-            finish: list[str] = ["length"] * len(seqs)
-            pending = list(range(len(seqs)))
-            for _ in range(100):  # each round: what is left after an abort
-                errors = await self._run([seqs[j] for j in pending])
-                if errors:
-                    return 500, {"error": {"message": errors[0]}}
-                again = []
-                for j in pending:
-                    s = seqs[j]
-                    out[j] += s.output_ids
-                    lps[j] += s.logprobs
-                    versions[j].append(s.weight_version)
-                    finish[j] = s.finished_as["type"]
-                    left = max_new - len(out[j])
-                    if finish[j] == "abort" and left > 0:
-                        sampling = dataclasses.replace(
-                            s.sampling, min_new_tokens=max(0, req.sampling.min_new_tokens - len(out[j]))
-                        )
-                        seqs[j] = Sequence(s.rid, ids + out[j], sampling, left)
-                        again.append(j)
-                    elif finish[j] == "abort":
-                        finish[j] = "length"
-                pending = again
-                if not pending:
-                    break
-            else:
-                return 503, {"error": {"message": "requests kept being aborted (weight updates); try again"}}
-            texts = StopTexts(req.stop_texts, r.decode) if req.stop_texts else None
-            for j in range(len(seqs)):
-                end = texts.first_end(out[j]) if texts is not None else None  # a stop across an abort
-                if end is not None:
-                    out[j], lps[j], finish[j] = out[j][:end], lps[j][:end], "stop"
-                reason, stopped_by, text = finish_of(
-                    out[j], finish[j], r.decode, req.stop_texts, req.stop_ids
-                )
-                texts_of = (r.token_texts(out[j]) or [""] * len(out[j])) if req.logprobs else []
-                choices.append(Choice(ids, out[j], lps[j], reason, stopped_by, text, texts_of, versions[j]))
+        if req.top_logprobs and r.tokenizer is None:
+            raise ProtocolError(f"{r.model_path} has no tokenizer: top log-probs are keyed by token text")
+        room = 0 if req.sampling.max_new_tokens == 0 else 1  # echo with max_tokens 0: only scored
+        prompts = [self._prompt_ids(p, room) for p in req.prompts]
+        samples = [
+            _Sample(ids, min(req.sampling.max_new_tokens, r.context_length - len(ids)))
+            for ids in prompts
+            for _ in range(req.sampling.n)
+        ]
+        echoes = [
+            (p if isinstance(p, str) else r.decode(ids)) if req.echo else ""
+            for p, ids in zip(req.prompts, prompts, strict=True)
+        ]
+        if req.stream:
+            return 200, EventStream(
+                lambda write, closed: self._stream(req, prompts, samples, echoes, write, closed)
+            )
+        tasks = [asyncio.ensure_future(self._sample(s, req)) for s in samples]
+        try:
+            prompt_lps = await self._prompt_logprobs(req, prompts)
+            await asyncio.gather(*tasks)
+        finally:
+            self._abandon(samples, tasks)
+        failed = next((s for s in samples if s.error), None)
+        if failed is not None:
+            return failed.status, {"error": {"message": failed.error}}
+        n = req.sampling.n
+        choices = [
+            self._choice(
+                req,
+                s,
+                echoes[k // n] if req.echo else None,
+                prompt_lps[k // n] if prompt_lps is not None else None,
+            )
+            for k, s in enumerate(samples)
+        ]
         return 200, completion_response(req, choices, self.served_model_name, sum(len(p) for p in prompts))
+
+    async def _sample(self, s: _Sample, req: OpenAIRequest) -> None:
+        """Generate one choice into `s` (its error in s.error); a sample aborted by a weight update is
+        continued on the new weights, one aborted by `_abandon` is not."""
+        for _ in range(100):  # each round: what is left after an abort
+            left = s.max_new - len(s.out)
+            if left <= 0 or s.cancelled:
+                if not s.versions:
+                    s.versions.append(self.scheduler.weight_version)
+                if left <= 0:
+                    s.finish = "length" if s.finish == "abort" else s.finish
+                return
+            sampling = req.sampling
+            if s.out:
+                sampling = dataclasses.replace(
+                    sampling, min_new_tokens=max(0, sampling.min_new_tokens - len(s.out))
+                )
+            seq = Sequence(f"oai-{id(s):x}", s.prompt + s.out, sampling, left, top_n=req.top_logprobs)
+            s.seq = seq
+            errors = await self._run([seq])
+            if errors:
+                s.error, s.seq = errors[0], None
+                return
+            ids = seq.output_ids
+            tops = seq.top[: len(ids)] if req.top_logprobs else []
+            if len(tops) < len(ids) and req.top_logprobs:  # not generated in a continuous batch
+                (scored,), _ = await asyncio.to_thread(
+                    self.scheduler.score,
+                    [(seq.prompt + ids, len(seq.prompt))],
+                    req.top_logprobs,
+                    seq.sampling.hyperparameters(len(ids)),
+                )
+                tops = scored[1]
+            s.out, s.lps, s.tops = s.out + ids, s.lps + seq.logprobs[: len(ids)], s.tops + tops
+            s.versions.append(seq.weight_version)
+            s.finish, s.seq = seq.finished_as["type"], None
+            if s.finish != "abort":
+                return
+        s.error, s.status = "requests kept being aborted (weight updates); try again", 503
+
+    def _abandon(self, samples: list[_Sample], tasks: list[asyncio.Task[None]]) -> None:
+        """Abort the samples still generating (their client went away, or the server is stopping)."""
+        live = [s for s, t in zip(samples, tasks, strict=True) if not t.done()]
+        for s in live:
+            s.cancelled = True
+        running = [s.seq for s in live if s.seq is not None]
+        if running:
+            self.scheduler.abort(running)
+        for t in tasks:
+            t.cancel()
+
+    def _pieces(self, ids) -> dict[int, str]:
+        """Each token's own text (one batched decode)."""
+        tok = self.runner.tokenizer
+        unique = list(dict.fromkeys(ids))
+        if tok is None:
+            return dict.fromkeys(unique, "")
+        return dict(zip(unique, tok.batch_decode([[t] for t in unique]), strict=True))
+
+    async def _prompt_logprobs(self, req: OpenAIRequest, prompts: list[list[int]]) -> list[Logprobs] | None:
+        """The prompts' own log-probs, when echoed with log-probs: one forward pass over each (batched),
+        off the event loop."""
+        if not (req.echo and req.logprobs):
+            return None
+        scored, _ = await asyncio.to_thread(
+            self.scheduler.score, [(ids, 1) for ids in prompts], req.top_logprobs
+        )
+        pieces = self._pieces(
+            [t for ids in prompts for t in ids] + [t for _, tops in scored for top in tops for t, _ in top]
+        )
+        out = []
+        for ids, (lps, tops) in zip(prompts, scored, strict=True):
+            alternatives: list = [[(pieces[t], v) for t, v in top] for top in tops] or [[] for _ in lps]
+            out.append(Logprobs([pieces[t] for t in ids], [None, *lps], [None, *alternatives]))
+        return out
+
+    def _choice(self, req: OpenAIRequest, s: _Sample, echo: str | None, prompt_lp: Logprobs | None) -> Choice:
+        r = self.runner
+        out, lps, tops, finish = s.out, s.lps, s.tops, s.finish
+        if req.stop_texts:  # a stop text across an abort: cut after the token that completes it
+            end = StopTexts(req.stop_texts, r.decode).first_end(out)
+            if end is not None:
+                out, lps, tops, finish = out[:end], lps[:end], tops[:end], "stop"
+        reason, stopped_by, text = finish_of(out, finish, r.decode, req.stop_texts, req.stop_ids)
+        pieces = self._pieces(out + [t for top in tops for t, _ in top]) if req.logprobs else {}
+        return Choice(
+            s.prompt,
+            out,
+            lps,
+            reason,
+            stopped_by,
+            text,
+            [pieces[t] for t in out] if req.logprobs else [],
+            s.versions,
+            [[(pieces[t], v) for t, v in top] for top in tops] if req.top_logprobs else [],
+            echo,
+            prompt_lp,
+        )
+
+    async def _stream(
+        self,
+        req: OpenAIRequest,
+        prompts: list[list[int]],
+        samples: list[_Sample],
+        echoes: list[str],
+        write,
+        closed,
+    ) -> None:
+        """Write the choices as they are generated: each poll (every 20 ms, or when a sample ends) sends
+        every choice's new tokens, and a choice's last chunk once it ends. A client gone aborts them."""
+        rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created, model, n = int(time.time()), self.served_model_name, req.sampling.n
+        tasks = [asyncio.ensure_future(self._sample(s, req)) for s in samples]
+        try:
+            prompt_lps = await self._prompt_logprobs(req, prompts)
+            states = [_Streamed() for _ in samples]
+            while True:
+                ended = [t.done() for t in tasks]
+                failed = next((s for s, e in zip(samples, ended, strict=True) if e and s.error), None)
+                if failed is not None:
+                    await write({"error": {"message": failed.error, "code": failed.status}})
+                    return
+                for k, (s, st) in enumerate(zip(samples, states, strict=True)):
+                    lp = prompt_lps[k // n] if prompt_lps is not None else None
+                    for piece in self._stream_pieces(req, s, st, ended[k], echoes[k // n], lp):
+                        await write(chunk(req, rid, created, model, k, piece))
+                if all(ended):
+                    break
+                if closed():
+                    raise ConnectionResetError("the client went away")
+                await asyncio.wait(
+                    [t for t in tasks if not t.done()], timeout=0.02, return_when=asyncio.FIRST_COMPLETED
+                )
+            if req.include_usage:
+                last = chunk(req, rid, created, model, None, None)
+                last["usage"] = usage(sum(len(p) for p in prompts), sum(st.sent for st in states))
+                await write(last)
+        finally:
+            self._abandon(samples, tasks)
+
+    def _stream_pieces(
+        self, req: OpenAIRequest, s: _Sample, st: _Streamed, ended: bool, echo: str, prompt_lp
+    ) -> list[ChunkPiece]:
+        """What choice `s` has to send now: its first chunk (chat: the role; echo: the prompt), its new
+        tokens with the text that is sure to stay, and when it ended, the rest and its finish."""
+        out: list[ChunkPiece] = []
+        if st.ended:
+            return out
+        if not st.started:
+            st.started = True
+            first = ChunkPiece(first=True, extra={"prompt_token_ids": s.prompt})
+            if req.echo:
+                first.text = echo
+                if prompt_lp is not None:
+                    first.logprobs = completion_logprobs(prompt_lp, req.top_logprobs, 0)
+                    st.offset = sum(len(t) for t in prompt_lp.texts)
+            if req.chat or req.echo:
+                out.append(first)
+            else:
+                st.extra = first.extra  # goes with the first tokens
+        if ended:
+            c = self._choice(req, s, None, None)
+            calls = None
+            if req.chat:
+                content, calls, finish = chat_tool_calls(req, c)
+                text = content or ""
+            else:
+                text, finish = c.text, c.finish
+            lp = Logprobs(c.token_texts, list(c.logprobs), list(c.tops) or [[] for _ in c.output_ids])
+            piece = ChunkPiece(
+                text[len(st.text) :] if text.startswith(st.text) else "",
+                c.output_ids[st.sent :],
+                self._chunk_logprobs(req, lp, st.sent, st),
+                finish,
+                c.stop_reason,
+                calls,
+                extra={**st.extra, "weight_version": c.versions[0], "weight_version_last": c.versions[-1]},
+            )
+            st.ended, st.sent, st.extra = True, len(c.output_ids), {}
+            return [*out, piece]
+        ids, lps, tops = s.so_far(req.top_logprobs > 0)
+        if len(ids) <= st.sent:
+            return out
+        text = self.runner.decode(ids)
+        safe = text[: streamable(text, req)]
+        delta = safe[len(st.text) :] if safe.startswith(st.text) else ""
+        piece = ChunkPiece(delta, ids[st.sent :], None, extra=st.extra)
+        if req.logprobs:
+            new = ids[st.sent :]
+            pieces = self._pieces(new + [t for top in tops[st.sent :] for t, _ in top])
+            lp = Logprobs(
+                [pieces[t] for t in new],
+                list(lps[st.sent :]),
+                [[(pieces[t], v) for t, v in top] for top in tops[st.sent :]] or [[] for _ in new],
+            )
+            piece.logprobs = self._chunk_logprobs(req, lp, 0, st)
+        st.text, st.sent, st.extra = st.text + delta, len(ids), {}
+        return [*out, piece]
+
+    @staticmethod
+    def _chunk_logprobs(req: OpenAIRequest, lp: Logprobs, start: int, st: _Streamed) -> dict[str, Any] | None:
+        """The `logprobs` of a chunk: tokens start.. of `lp` (completions' text offsets go on from the
+        choice's last chunk)."""
+        if not req.logprobs:
+            return None
+        part = Logprobs(lp.texts[start:], lp.values[start:], lp.tops[start:])
+        if req.chat:
+            return chat_logprobs(part, req.top_logprobs)
+        out = completion_logprobs(part, req.top_logprobs, st.offset)
+        st.offset += sum(len(t) for t in part.texts)
+        return out
 
     async def completions(self, body: Any) -> tuple[int, Any]:
         return await self._openai(parse_completion_request(body))
@@ -305,6 +518,80 @@ class GenerationService:
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
+
+
+@dataclasses.dataclass
+class _Sample:
+    """One OpenAI choice being generated: a prompt's j-th of n, over one or more Sequences (a weight
+    update's abort continues it in a new one)."""
+
+    prompt: list[int]
+    max_new: int
+    out: list[int] = dataclasses.field(default_factory=list)
+    lps: list[float] = dataclasses.field(default_factory=list)
+    tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    versions: list[str] = dataclasses.field(default_factory=list)
+    finish: str = "length"
+    seq: Sequence | None = None  # the one generating now
+    cancelled: bool = False  # abandoned: not continued
+    error: str | None = None
+    status: int = 500
+
+    def so_far(self, top: bool) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+        """The tokens generated so far, with the running sequence's (whose lists the scheduler appends to:
+        only as far as every list has the token)."""
+        seq = self.seq
+        if seq is None:
+            return self.out, self.lps, self.tops
+        ids, lps, tops = seq.output_ids, seq.logprobs, seq.top
+        n = min(len(ids), len(lps), len(tops) if top else len(ids))
+        return self.out + ids[:n], self.lps + lps[:n], self.tops + (tops[:n] if top else [])
+
+
+@dataclasses.dataclass
+class _Streamed:
+    """What a streamed choice has sent."""
+
+    sent: int = 0  # tokens
+    text: str = ""  # generated text
+    offset: int = 0  # the text offset of its next token (completions' logprobs)
+    started: bool = False
+    ended: bool = False
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # for the next chunk
+
+
+class EventStream:
+    """A streamed answer: `run(write, closed)` writes its events (`write(obj)`: `data: JSON`); `closed()`
+    says whether the client has gone. Sent as server-sent events, ended by `data: [DONE]`."""
+
+    def __init__(self, run):
+        self.run = run
+
+    async def send(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        def closed() -> bool:
+            transport = request.transport
+            return transport is None or transport.is_closing()
+
+        async def write(obj: Any) -> None:
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        try:
+            try:
+                await self.run(write, closed)
+            except ConnectionError:
+                raise
+            except Exception as e:  # a bug or a device error once streaming: said in the stream
+                traceback.print_exc()
+                message = str(e) if isinstance(e, ProtocolError | ValueError) else f"{type(e).__name__}: {e}"
+                await write({"error": {"message": message}})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client went away: its samples were aborted
+            pass
+        return resp
 
 
 ROUTES = [
@@ -398,7 +685,7 @@ def make_app(service: GenerationService, max_body_mb: int = 16, keys: Keys | Non
     def route(name: str):
         method = getattr(service, name)
 
-        async def handle(request: web.Request) -> web.Response:
+        async def handle(request: web.Request) -> web.StreamResponse:
             refused = keys.refusal(name, request.headers.get("Authorization"))
             if refused is not None:  # logged without the key
                 logger.warning("%s %s from %s: %s", refused[0], request.path, request.remote, refused[1])
@@ -427,7 +714,10 @@ def make_app(service: GenerationService, max_body_mb: int = 16, keys: Keys | Non
                     {"error": {"message": f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"}},
                 )
             try:
-                return _respond(*await method(body))
+                status, payload = await method(body)
+                if isinstance(payload, EventStream):  # streamed (OpenAI's stream: true)
+                    return await payload.send(request)
+                return _respond(status, payload)
             except (ProtocolError, ValueError) as e:
                 return _respond(400, {"error": {"message": str(e)}})
             except Exception as e:  # a bug or a device error: the client sees it, the server keeps serving

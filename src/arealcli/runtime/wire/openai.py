@@ -2,10 +2,10 @@
 be pointed at a policy while it trains.
 
     POST /v1/completions        {prompt: str | [int] | [str] | [[int]], max_tokens=16, temperature=1,
-                                 top_p, n, stop, logprobs (0), ...}
+                                 top_p, n, stop, logprobs (0..20), echo, stream, stream_options, ...}
     POST /v1/chat/completions   {messages: [{role, content, tool_calls?, tool_call_id?}], tools?,
                                  tool_choice?, max_tokens | max_completion_tokens, temperature, top_p,
-                                 n, stop, logprobs (bool), ...}
+                                 n, stop, logprobs (bool), top_logprobs (0..20), stream, stream_options, ...}
     GET  /v1/models
 
 Chat prompts are rendered with the served tokenizer's chat template (its generation prompt appended).
@@ -20,26 +20,49 @@ Every choice also carries `token_ids` (the generated tokens) and `prompt_token_i
 policy version that generated it (the first and the last when a weight update
 interrupted it: aborted samples are continued on the new weights, never cut) in `weight_version` and
 `weight_version_last`. Beyond OpenAI's fields,
-vLLM's `top_k`, `min_tokens` and `stop_token_ids` are accepted. What the embedded server cannot do
-(streaming, forced tool calls, penalties, top alternatives of log-probs) is
-refused with a message saying so, never silently ignored.
+vLLM's `top_k`, `min_tokens` and `stop_token_ids` are accepted.
+
+Log-probs: completions' `logprobs: N` gives each token's log-prob (`token_logprobs`), its text
+(`tokens`, `text_offset`) and, for N > 0, `top_logprobs`: the N most likely tokens at each position as
+{text: log-prob}, best first, with the chosen token added when it is not among them (as OpenAI and vLLM).
+Chat's `logprobs: true` gives `logprobs.content` [{token, logprob, bytes, top_logprobs: [{token, logprob,
+bytes}]}] with `top_logprobs: N` alternatives. A generated token's log-probs are those of the distribution
+it was drawn from (temperature, top-k, top-p applied; greedy: the model's own). `echo: true` (completions)
+puts the prompt before the generated text, and with `logprobs` the prompt's tokens before the generated
+ones (the first one's log-prob and alternatives null: nothing predicts it): the model's own log-probs,
+from one forward pass over the prompt. With `max_tokens: 0` only the prompt is scored (the log-likelihood
+requests of lm-evaluation-harness: `echo: true, logprobs: 1, max_tokens: 0|1`). `seed` is accepted where
+it changes nothing (greedy, or nothing generated).
+
+Streaming (`stream: true`): server-sent events `data: {chunk}` and a last `data: [DONE]`, in OpenAI's
+chunk format ("text_completion" with `text`; "chat.completion.chunk" with `delta`), each choice's tokens
+in `token_ids` (its prompt's in `prompt_token_ids` of its first chunk) and, when asked, its log-probs;
+`finish_reason` (and `stop_reason`, `weight_version`) in the last chunk of each choice, then with
+`stream_options: {include_usage: true}` a chunk with `usage` and no choices. The chunks of a choice add
+up to the whole answer's text and tokens: text that may turn out to be part of a stop text (or, with
+tools, of a tool call) is held back until it is known; tool calls come in the last chunk, whole.
+
+What the embedded server cannot do (forced tool calls, penalties, per-request seeds of sampled requests,
+`best_of`, `suffix`, chat `echo`) is refused with a message saying so, never silently ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, overload
 
 from arealcli.runtime.wire.sglang import ProtocolError, Sampling
 
-# Fields accepted only at their neutral values (None and these).
+MAX_TOP_LOGPROBS = 20  # alternatives per token (vLLM's default limit)
+
+# Fields accepted only at their neutral values (None and these), where an endpoint does not take them.
 _NEUTRAL: dict[str, tuple] = {
-    "stream": (False,),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
@@ -47,23 +70,32 @@ _NEUTRAL: dict[str, tuple] = {
     "frequency_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0),
     "logit_bias": ({},),
-    "seed": (),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (False, True),
     "functions": ([],),
     "function_call": ("none",),
     "response_format": ({"type": "text"},),
-    "stream_options": (),
 }
 _WHY = {
     "tools": "tools are offered through /v1/chat/completions (`tools`, with `tool_choice` auto or none)",
-    "seed": "the embedded server has no per-request seed",
-    "stream": "the embedded server answers whole responses only",
+    "echo": "echo is for /v1/completions",
 }
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "return_token_ids", "skip_special_tokens"}
-_COMMON = {"max_tokens", "temperature", "top_p", "top_k", "n", "stop", "stop_token_ids", "min_tokens"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
+_COMMON = {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "min_tokens",
+    "stream",
+    "stream_options",
+    "seed",
+}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON | {
     "messages",
     "max_completion_tokens",
@@ -86,6 +118,10 @@ class OpenAIRequest:
     stop_ids: tuple[int, ...]  # `stop_token_ids`
     tools: list[dict] | None = None  # offered tools: parse the model's calls
     parallel_tool_calls: bool = True
+    top_logprobs: int = 0  # alternatives per token (completions' `logprobs: N`, chat's `top_logprobs`)
+    echo: bool = False  # completions: the prompt (and its log-probs) before the generated text
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -157,8 +193,45 @@ def finish_of(
     return "stop", ids[-1] if ids[-1] in stop_ids else None, text
 
 
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise ProtocolError(f"{key} must be true or false (got {v!r})")
+    return bool(v)
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream, options = _flag(body, "stream"), body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise ProtocolError("stream_options is only allowed with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise ProtocolError(f"stream_options must be {{include_usage: bool}} (got {options!r})")
+    if options.get("continuous_usage_stats"):
+        raise ProtocolError("stream_options.continuous_usage_stats is not supported by the embedded server")
+    return True, _flag(options, "include_usage")
+
+
+def _top(body: dict, key: str) -> int:
+    top = _integer(body, key, 0, 0)
+    if top > MAX_TOP_LOGPROBS:
+        raise ProtocolError(f"{key} must be at most {MAX_TOP_LOGPROBS} (got {top})")
+    return top
+
+
 def _sampling(body: dict, max_tokens: int | None, stops: tuple[tuple[str, ...], tuple[int, ...]]) -> Sampling:
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ProtocolError(f"seed must be an integer (got {seed!r})")
+        if temperature != 0 and max_tokens != 0:
+            raise ProtocolError(
+                "seed is not supported by the embedded server for sampled requests (it has no per-request "
+                "seed); it is accepted with temperature 0, where it changes nothing"
+            )
     top_k = _integer(body, "top_k", -1, -1)
     if top_k == 0:
         raise ProtocolError("top_k must be -1 (all tokens) or at least 1 (got 0)")
@@ -196,15 +269,22 @@ def parse_completion_request(body: Any) -> OpenAIRequest:
         raise ProtocolError("prompt must be a text, a list of token ids, or a list of those (non-empty)")
     if any(p == "" for p in prompts):
         raise ProtocolError("prompt must not be empty")
-    logprobs = _integer(body, "logprobs", None, 0)
-    if logprobs is not None and logprobs > 0:
-        raise ProtocolError(
-            "logprobs > 0 (top alternatives) is not supported by the embedded server; "
-            "logprobs: 0 returns the log-prob of every generated token"
-        )
+    logprobs = body.get("logprobs") is not None
+    top = _top(body, "logprobs")
     max_tokens = _integer(body, "max_tokens", 16, 0)  # OpenAI's default for completions
     stops = _stops(body)
-    return OpenAIRequest(prompts, _sampling(body, max_tokens, stops), logprobs is not None, False, *stops)
+    stream, usage = _stream(body)
+    return OpenAIRequest(
+        prompts,
+        _sampling(body, max_tokens, stops),
+        logprobs,
+        False,
+        *stops,
+        top_logprobs=top,
+        echo=_flag(body, "echo"),
+        stream=stream,
+        include_usage=usage,
+    )
 
 
 def _as_dict(obj: Any) -> Any:
@@ -342,20 +422,42 @@ def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest
         raise ProtocolError("messages must be a non-empty list of {role, content}")
     tools, parallel = parse_tools(body, template)
     prompt = render([chat_message(m, i) for i, m in enumerate(messages)], tools)
-    top = _integer(body, "top_logprobs", None, 0)
-    if top:
-        raise ProtocolError(
-            "top_logprobs > 0 is not supported by the embedded server (logprobs: true gives each token's)"
-        )
-    logprobs = body.get("logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise ProtocolError(f"logprobs must be true or false (got {logprobs!r})")
+    top = _top(body, "top_logprobs")
+    logprobs = _flag(body, "logprobs")
+    if top and not logprobs:
+        raise ProtocolError("top_logprobs needs logprobs: true")
     max_tokens = _integer(body, "max_completion_tokens", None, 0)
     max_tokens = _integer(body, "max_tokens", None, 0) if max_tokens is None else max_tokens
     stops = _stops(body)
+    stream, usage = _stream(body)
     return OpenAIRequest(
-        [prompt], _sampling(body, max_tokens, stops), bool(logprobs), True, *stops, tools, parallel
+        [prompt],
+        _sampling(body, max_tokens, stops),
+        logprobs,
+        True,
+        *stops,
+        tools,
+        parallel,
+        top_logprobs=top,
+        stream=stream,
+        include_usage=usage,
     )
+
+
+Top = list[tuple[str, float]]  # a position's most likely tokens: (text, log-prob), best first
+
+
+@dataclass
+class Logprobs:
+    """The log-probs of a run of tokens: each token's text, its log-prob (None: a prompt's first token,
+    which nothing predicts), and its top alternatives (None there too; all empty when not asked for)."""
+
+    texts: list[str] = field(default_factory=list)
+    values: list[float | None] = field(default_factory=list)
+    tops: list[Top | None] = field(default_factory=list)
+
+    def __add__(self, other: Logprobs) -> Logprobs:
+        return Logprobs(self.texts + other.texts, self.values + other.values, self.tops + other.tops)
 
 
 @dataclass
@@ -368,6 +470,87 @@ class Choice:
     text: str
     token_texts: list[str]  # each token's text (only when log-probs were asked for)
     versions: list[str]  # weight versions that generated it (first ... last)
+    tops: list[Top] = field(default_factory=list)  # each token's alternatives (when asked for)
+    echo: str | None = None  # the prompt's text, when echoed
+    prompt_logprobs: Logprobs | None = None  # the echoed prompt's (when log-probs were asked for)
+
+    def generated_logprobs(self) -> Logprobs:
+        return Logprobs(
+            self.token_texts,
+            list(self.logprobs),
+            list(self.tops) if self.tops else [[] for _ in self.output_ids],
+        )
+
+
+def _lp(v: float) -> float:
+    """A log-prob JSON can carry (-inf, of a token sampling could not draw, as vLLM: -9999)."""
+    return v if math.isfinite(v) else -9999.0
+
+
+def completion_logprobs(lp: Logprobs, top_n: int, offset: int = 0) -> dict[str, Any]:
+    """OpenAI's completions `logprobs` of these tokens; the first one's text starts at `offset`."""
+    offsets = []
+    for t in lp.texts:
+        offsets.append(offset)
+        offset += len(t)
+    tops: list[dict[str, float] | None] | None = None
+    if top_n > 0:
+        tops = []
+        for text, value, top in zip(lp.texts, lp.values, lp.tops, strict=True):
+            if top is None or value is None:
+                tops.append(None)
+                continue
+            best: dict[str, float] = {}
+            for t, v in top[:top_n]:
+                best.setdefault(t, _lp(v))
+            best.setdefault(text, _lp(value))  # the chosen token is always there (OpenAI, vLLM)
+            tops.append(best)
+    return {
+        "tokens": lp.texts,
+        "token_logprobs": [None if v is None else _lp(v) for v in lp.values],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(lp: Logprobs, top_n: int) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` ({content: [...]}) of these tokens."""
+
+    def entry(t: str, v: float) -> dict[str, Any]:
+        return {"token": t, "logprob": _lp(v), "bytes": list(t.encode())}
+
+    return {
+        "content": [
+            {**entry(t, v or 0.0), "top_logprobs": [entry(a, b) for a, b in (top or [])[:top_n]]}
+            for t, v, top in zip(lp.texts, lp.values, lp.tops, strict=True)
+        ]
+    }
+
+
+def _tool_message(req: OpenAIRequest, c: Choice) -> tuple[dict[str, Any], str]:
+    """The assistant message of a chat choice and its finish reason (tool calls parsed when tools)."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if req.tools:
+        ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in range(c.text.count(TOOL_OPEN))]
+        content, calls = parse_tool_calls(c.text, ids, req.parallel_tool_calls)
+        if calls:
+            return (
+                {"role": "assistant", "content": content, "tool_calls": calls},
+                "tool_calls" if c.finish == "stop" else c.finish,
+            )
+    return message, c.finish
+
+
+def choice_logprobs(req: OpenAIRequest, c: Choice) -> dict[str, Any] | None:
+    """The whole `logprobs` of a choice (the echoed prompt's first), or None when not asked for."""
+    if not req.logprobs:
+        return None
+    lp = c.generated_logprobs()
+    if req.chat:
+        return chat_logprobs(lp, req.top_logprobs)
+    if c.prompt_logprobs is not None:
+        lp = c.prompt_logprobs + lp
+    return completion_logprobs(lp, req.top_logprobs)
 
 
 def completion_response(
@@ -387,53 +570,109 @@ def completion_response(
             "weight_version_last": c.versions[-1],
         }
         if req.chat:
-            item["message"] = {"role": "assistant", "content": c.text}
-            if req.tools:
-                ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in range(c.text.count(TOOL_OPEN))]
-                content, calls = parse_tool_calls(c.text, ids, req.parallel_tool_calls)
-                if calls:
-                    item["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
-                    item["finish_reason"] = "tool_calls" if c.finish == "stop" else c.finish
-            item["logprobs"] = (
-                {
-                    "content": [
-                        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(c.token_texts, c.logprobs, strict=True)
-                    ]
-                }
-                if req.logprobs
-                else None
-            )
+            item["message"], item["finish_reason"] = _tool_message(req, c)
         else:
-            item["text"] = c.text
-            offsets, at = [], 0
-            for t in c.token_texts:  # (token texts are there when log-probs were asked for)
-                offsets.append(at)
-                at += len(t)
-            item["logprobs"] = (
-                {
-                    "tokens": c.token_texts,
-                    "token_logprobs": c.logprobs,
-                    "top_logprobs": None,
-                    "text_offset": offsets,
-                }
-                if req.logprobs
-                else None
-            )
+            item["text"] = (c.echo or "") + c.text
+        item["logprobs"] = choice_logprobs(req, c)
         out.append(item)
-    generated = sum(len(c.output_ids) for c in choices)
     return {
         "id": f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}",
         "object": "chat.completion" if req.chat else "text_completion",
         "created": created,
         "model": model,
         "choices": out,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": generated,
-            "total_tokens": prompt_tokens + generated,
-        },
+        "usage": usage(prompt_tokens, sum(len(c.output_ids) for c in choices)),
     }
+
+
+def usage(prompt_tokens: int, generated: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": prompt_tokens + generated,
+    }
+
+
+# ------------------------------------------------------------------ streaming
+
+
+def streamable(text: str, req: OpenAIRequest) -> int:
+    """How much of a choice's text so far may be streamed: not from a stop text on (nor from a tool call,
+    when tools are offered), not a tail that may begin one, not a trailing half character, and with
+    tools no trailing whitespace (a tool call after it drops it)."""
+    markers = req.stop_texts + ((TOOL_OPEN,) if req.tools else ())
+    end = len(text)
+    for m in markers:
+        at = text.find(m)
+        if at >= 0:
+            end = min(end, at)
+    held = 0
+    for m in markers:  # the longest tail of text[:end] that begins a marker
+        for k in range(min(len(m) - 1, end), held, -1):
+            if text.endswith(m[:k], 0, end):
+                held = k
+                break
+    end -= held
+    if req.tools:
+        end = len(text[:end].rstrip())
+    while end and text[end - 1] == "\ufffd":  # a character whose bytes are not all there yet
+        end -= 1
+    return end
+
+
+@dataclass
+class ChunkPiece:
+    """What one chunk of a choice adds."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[str, Any] | None = None
+    finish: str | None = None
+    stop_reason: Any = None
+    tool_calls: list[dict] | None = None
+    first: bool = False  # the choice's first chunk (chat: the role)
+    extra: dict[str, Any] = field(default_factory=dict)  # prompt_token_ids, weight_version, ...
+
+
+def chunk(
+    req: OpenAIRequest, rid: str, created: int, model: str, index: int | None, piece: ChunkPiece | None
+) -> dict[str, Any]:
+    """One streamed chunk: choice `index`'s piece, or (piece None) the usage chunk's frame."""
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk" if req.chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+    }
+    if piece is not None:
+        item: dict[str, Any] = {"index": index}
+        if req.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if piece.first else {}
+            if piece.text or piece.first:
+                delta["content"] = piece.text
+            if piece.tool_calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(piece.tool_calls)]
+            item["delta"] = delta
+        else:
+            item["text"] = piece.text
+        item.update(
+            logprobs=piece.logprobs,
+            finish_reason=piece.finish,
+            stop_reason=piece.stop_reason,
+            token_ids=piece.token_ids,
+            **piece.extra,
+        )
+        out["choices"] = [item]
+    if req.include_usage:
+        out["usage"] = None
+    return out
+
+
+def chat_tool_calls(req: OpenAIRequest, c: Choice) -> tuple[str | None, list[dict] | None, str]:
+    """A chat choice's content, tool calls (None when none) and finish reason."""
+    message, finish = _tool_message(req, c)
+    return message["content"], message.get("tool_calls"), finish
 
 
 def models_response(model: str) -> dict[str, Any]:
