@@ -20,7 +20,8 @@ Every choice also carries `token_ids` (the generated tokens) and `prompt_token_i
 policy version that generated it (the first and the last when a weight update
 interrupted it: aborted samples are continued on the new weights, never cut) in `weight_version` and
 `weight_version_last`. Beyond OpenAI's fields,
-vLLM's `top_k`, `min_tokens` and `stop_token_ids` are accepted.
+vLLM's `top_k`, `min_tokens`, `stop_token_ids` and `ignore_eos` (as `min_tokens` = `max_tokens`: EOS is
+never drawn) are accepted.
 
 Log-probs: completions' `logprobs: N` gives each token's log-prob (`token_logprobs`), its text
 (`tokens`, `text_offset`) and, for N > 0, `top_logprobs`: the N most likely tokens at each position as
@@ -94,6 +95,7 @@ _COMMON = {
     "stream",
     "stream_options",
     "seed",
+    "ignore_eos",
 }
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = _COMMON | {
@@ -236,6 +238,13 @@ def _sampling(body: dict, max_tokens: int | None, stops: tuple[tuple[str, ...], 
     if top_k == 0:
         raise ProtocolError("top_k must be -1 (all tokens) or at least 1 (got 0)")
     min_tokens = _integer(body, "min_tokens", 0, 0)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ProtocolError(f"ignore_eos must be true or false (got {ignore_eos!r})")
+    if ignore_eos:  # vLLM's: every sample runs to max_tokens (here EOS is never drawn before then)
+        if max_tokens is None:
+            raise ProtocolError("ignore_eos needs max_tokens (else a sample would run to the context length)")
+        min_tokens = max_tokens
     return Sampling(
         max_new_tokens=max_tokens if max_tokens is not None else 1 << 30,  # the context length caps it
         min_new_tokens=min_tokens if max_tokens is None else min(min_tokens, max_tokens),
