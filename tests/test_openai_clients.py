@@ -413,3 +413,15 @@ def test_lm_evaluation_harness_against_areal_serve(served, char_tok, tmp_path):
             {"prompt": row["prompt"], "max_tokens": 5, "temperature": 0, "stop": ["\n", "<eos>"]},
         ).json()
         assert sample["resps"][0][0] == direct["choices"][0]["text"]
+
+
+def test_vllms_ignore_eos_runs_every_sample_to_max_tokens():
+    from arealcli.runtime.wire.openai import parse_completion_request
+    from arealcli.runtime.wire.sglang import ProtocolError
+
+    req = parse_completion_request({"prompt": "max(1,2,3)=", "max_tokens": 8, "ignore_eos": True})
+    assert req.sampling.min_new_tokens == req.sampling.max_new_tokens == 8
+    default = parse_completion_request({"prompt": "x", "ignore_eos": True})  # completions: max_tokens 16
+    assert default.sampling.min_new_tokens == default.sampling.max_new_tokens == 16
+    with pytest.raises(ProtocolError, match="ignore_eos must be true or false"):
+        parse_completion_request({"prompt": "x", "max_tokens": 2, "ignore_eos": "yes"})
