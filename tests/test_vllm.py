@@ -190,7 +190,7 @@ def test_greedy_stop_tokens_and_min_tokens(gen, reference, char_tok, loop):
     assert ids == logits.argmax(-1).tolist()  # each token the argmax given the ones before
     assert max_diff(greedy.logprobs[0], own_logprobs(reference, PROMPT, ids, g)) < TOL
 
-    client = VLLMClient([gen.backend.servers[0].address])
+    client = VLLMClient([gen.backend.servers[0].address], api_key=gen.backend.api_key)  # the run's key
     try:
         stop = ids[0]  # the first greedy token ends the sample, and is returned
         params = sampling_params(GenerationHyperparameters(greedy=True, max_new_tokens=6), [stop], n=1)
@@ -352,7 +352,7 @@ def test_only_generation_by_prompt_group(gen, char_tok):
 @slow
 def test_timeout_is_a_clear_bounded_error(gen, loop):
     address = gen.backend.servers[0].address
-    client = VLLMClient([address], request_timeout_s=1.0)
+    client = VLLMClient([address], request_timeout_s=1.0, api_key=gen.backend.api_key)
     params = sampling_params(GenerationHyperparameters(max_new_tokens=4), [], n=1)
     assert post(address, "/pause?mode=keep").status_code == 200  # requests queue, nothing runs
     t0 = time.monotonic()
@@ -368,7 +368,9 @@ def test_timeout_is_a_clear_bounded_error(gen, loop):
 @slow
 def test_a_dead_address_fails_over_to_a_live_one(gen, loop):
     dead = f"127.0.0.1:{launcher.free_port('127.0.0.1')}"
-    client = VLLMClient([dead, gen.backend.servers[0].address], retry_backoff_s=0.1)
+    client = VLLMClient(
+        [dead, gen.backend.servers[0].address], retry_backoff_s=0.1, api_key=gen.backend.api_key
+    )
     params = sampling_params(GenerationHyperparameters(greedy=True, max_new_tokens=3), [], n=1)
     try:
         results = loop.run(asyncio_gather(client, params, 4))
@@ -525,3 +527,18 @@ def test_async_rollout_generates_on_vllm(ws, char_tok):
     rows = [json.loads(x) for x in (ws.root / "run" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if "actor_train/behav_imp_weight_mean" in r]
     assert len(rl) == 4 and all(abs(r["actor_train/behav_imp_weight_mean"] - 1) < 0.5 for r in rl)
+
+
+@slow
+def test_a_launched_vllm_server_wants_the_runs_key(gen):
+    """The key goes through VLLM_API_KEY (the environment), never the command line; /v1 wants it."""
+    server = gen.backend.servers[0]
+    body = {"model": "x", "prompt": [20, 21], "max_tokens": 1}
+    url = f"http://{server.address}/v1/completions"
+    assert httpx.post(url, json=body, timeout=60, trust_env=False).status_code == 401
+    key = {"Authorization": f"Bearer {gen.backend.api_key}"}
+    models = httpx.get(f"http://{server.address}/v1/models", headers=key, timeout=60, trust_env=False)
+    body["model"] = models.json()["data"][0]["id"]
+    assert httpx.post(url, json=body, headers=key, timeout=60, trust_env=False).status_code == 200
+    assert gen.backend.api_key not in " ".join(server.cmd)
+    assert server.env["VLLM_API_KEY"] == gen.backend.api_key

@@ -59,6 +59,8 @@ def failure_of(error: BaseException | str, run_dir: Path, step: int | None = Non
     log = write_crash_log(run_dir, text)
     first = message.strip().splitlines()[0] if message.strip() else kind
     at = f" at step {step}" if step is not None else ""
+    if not isinstance(error, BaseException) and text.startswith("worker rank "):
+        at += f" in {text.split(' failed', 1)[0]}"  # "in worker rank 1"
     signature = f"{kind}: {first}"
     if kind in _GENERATION:
         return Failure(f"generation failed{at}: {message.strip()}", None, False, signature, log)
