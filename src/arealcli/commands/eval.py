@@ -19,7 +19,7 @@ from arealcli.errors import UserError
 def eval_(
     targets: list[str] = typer.Argument(
         ...,
-        metavar="TARGET...",
+        metavar="TARGET",
         help="Model folders, run directories (their latest checkpoint), checkpoints, or http(s) URLs of "
         "OpenAI-compatible servers; several are compared in one table.",
     ),
