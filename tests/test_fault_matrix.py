@@ -197,8 +197,6 @@ def test_a_failure_is_not_retried_without_a_checkpoint_and_says_how_to_continue(
 
 
 def test_a_killed_rank_of_a_two_process_run_is_recovered(ws):
-    from tests.conftest import sft_recipe  # noqa: F401  (the workspace's SFT recipe)
-
     recipe = ws.recipe(
         trainer={"max_steps": 12, "save_every_n_steps": 4, "log_every_n_steps": 1, "tensorboard": False}
     )
@@ -206,16 +204,13 @@ def test_a_killed_rank_of_a_two_process_run_is_recovered(ws):
     proc = start(recipe, run_dir, "--nproc-per-node=2")
     try:
         wait_for_step(proc, run_dir, 6)
-        workers = subprocess.run(
-            ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
-        ).stdout.split()
-        # the elastic agent's children are the workers (spawned via multiprocessing)
-        kids = [
-            int(p)
-            for w in workers
-            for p in subprocess.run(["pgrep", "-P", w], capture_output=True, text=True).stdout.split()
-        ] or [int(w) for w in workers]
-        os.kill(kids[-1], signal.SIGKILL)
+        # the workers: what torch's elastic agent (in `areal train` itself) spawned through multiprocessing
+        found = subprocess.run(
+            ["pgrep", "-P", str(proc.pid), "-f", "spawn_main"], capture_output=True, text=True
+        )
+        workers = [int(p) for p in found.stdout.split()]
+        assert len(workers) == 2, found
+        os.kill(workers[-1], signal.SIGKILL)
         out = finish(proc)
     finally:
         proc.kill()

@@ -317,34 +317,28 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request(served):
 
 # --------------------------------------------------------------------------- lm-evaluation-harness
 
-MC_TASK = """
-task: areal_max_mc
+# A task over a local JSONL file (lm-eval's `json` loader): the part both tasks share, then each one's own.
+TASK = """
+task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
     test: {data}
   cache_dir: {cache}
 test_split: test
-output_type: multiple_choice
 doc_to_text: "{{{{prompt}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
 target_delimiter: ""
+"""
+MC_TASK = """
+output_type: multiple_choice
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{answer}}"
 metric_list:
   - metric: acc
 """
 GEN_TASK = """
-task: areal_max_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-  cache_dir: {cache}
-test_split: test
 output_type: generate_until
-doc_to_text: "{{{{prompt}}}}"
-doc_to_target: "{{{{target}}}}"
-target_delimiter: ""
+doc_to_target: "{{target}}"
 generation_kwargs:
   until: ["\\n"]
   max_gen_toks: 5
@@ -369,8 +363,9 @@ def test_lm_evaluation_harness_against_areal_serve(served, char_tok, tmp_path):
     ]
     data = write_jsonl(tmp_path / "max.jsonl", rows)
     cache = tmp_path / "datasets-cache"
-    (tmp_path / "mc.yaml").write_text(MC_TASK.format(data=data, cache=cache))
-    (tmp_path / "gen.yaml").write_text(GEN_TASK.format(data=data, cache=cache))
+    for name, own in (("mc", MC_TASK), ("gen", GEN_TASK)):
+        head = TASK.format(name=f"areal_max_{name}", data=data, cache=cache)
+        (tmp_path / f"{name}.yaml").write_text(head + own)
     # lm-eval counts context tokens with a Hugging Face tokenizer: the char tokenizer, saved alone
     # (AutoTokenizer would swap in the qwen2 class from a model directory's config)
     tok_dir = tmp_path / "tokenizer"

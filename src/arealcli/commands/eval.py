@@ -4,6 +4,7 @@ pass@k and maj@k of checkpoints or served models on held-out prompts."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +147,8 @@ def eval_(
         except UserError as e:
             raise fail(e.lines) from None
         metrics = summarize(results, ks, binary, seed=seed)
-        reports.append((s["label"], metrics, results))
-    _table(reports, ks)
+        reports.append((s.label, metrics, results))
+    _table(reports)
     if output is not None:
         _write(
             output,
@@ -160,7 +161,7 @@ def eval_(
                 "top_p": top_p,
                 "greedy": greedy,
                 "seed": seed,
-                "targets": [s["label"] for s in setup],
+                "targets": [s.label for s in setup],
             },
         )
 
@@ -178,7 +179,19 @@ def _ks(k: str | None, n: int) -> list[int]:
     return ks
 
 
-def _setup(target, recipe_path, model, step, tokenizer_path, data) -> dict[str, Any]:
+@dataclass
+class Target:
+    """One TARGET: what the user typed, the model folder it means (None: a URL), and its recipe."""
+
+    target: str
+    found: Any  # ModelCheckpoint | None
+    label: str  # how tables and results name it
+    recipe: Any  # Recipe | None
+    tokenizer: str | None  # --tokenizer
+    recipe_dir: Path  # relative data paths of the recipe start here
+
+
+def _setup(target, recipe_path, model, step, tokenizer_path, data) -> Target:
     """Where the target's model is, and the recipe that goes with it (a run's own, or --recipe)."""
     from arealcli.runtime.run.targets import find_model, is_url
 
@@ -195,14 +208,8 @@ def _setup(target, recipe_path, model, step, tokenizer_path, data) -> dict[str, 
         raise UserError(
             f"{target}: no recipe to take an eval_dataset from; give --data (and --recipe for URLs)"
         )
-    return {
-        "target": target,
-        "found": found,
-        "label": label,
-        "recipe": recipe,
-        "tokenizer": tokenizer_path,
-        "recipe_dir": Path(source).resolve().parent if source is not None else Path.cwd(),
-    }
+    recipe_dir = Path(source).resolve().parent if source is not None else Path.cwd()
+    return Target(target, found, label, recipe, tokenizer_path, recipe_dir)
 
 
 def _load_recipe(path: Path):
@@ -235,7 +242,7 @@ def _settings(
     """Dataset, reward and generation settings: the flags, else the recipe's, else defaults."""
     from arealcli.runtime.registry import REWARDS
 
-    recipe, actor = s["recipe"], _actor_args(s["recipe"])
+    recipe, actor = s.recipe, _actor_args(s.recipe)
     if data is not None:
         args = {
             "path": data,
@@ -252,14 +259,14 @@ def _settings(
             "base": str(Path.cwd()),
         }
     elif recipe.eval_dataset is None:
-        raise UserError(f"{s['target']}: its recipe has no eval_dataset; give --data")
+        raise UserError(f"{s.target}: its recipe has no eval_dataset; give --data")
     else:
         spec = recipe.eval_dataset
         dataset = {
             "type_": spec.type_,
             "args": spec.args.model_dump(mode="json"),
             "batch_size": batch_size or spec.batch_size,
-            "base": str(s["recipe_dir"]),
+            "base": str(s.recipe_dir),
         }
     name = reward or (actor.eval_reward_fn if actor is not None and actor.eval_reward_fn else "math")
     if name not in REWARDS.names():
@@ -292,15 +299,15 @@ def _run_one(s, settings, plan, device: str):
     from arealcli.runtime.registry import make_dataset
     from arealcli.schema.recipe import DatasetSpec
 
-    recipe, found = s["recipe"], s["found"]
+    recipe, found = s.recipe, s.found
     tok_spec = recipe.tokenizer if recipe is not None else None
-    fallback = s["tokenizer"] or (str(found.model_dir) if found is not None else None)
+    fallback = s.tokenizer or (str(found.model_dir) if found is not None else None)
     if tok_spec is None and fallback is None:
-        raise UserError(f"{s['target']}: prompts go as token ids: give --tokenizer PATH or --recipe RECIPE")
+        raise UserError(f"{s.target}: prompts go as token ids: give --tokenizer PATH or --recipe RECIPE")
     try:
         tok = load_tokenizer(tok_spec, fallback)
     except ValueError as e:
-        raise UserError(f"{s['target']}: {e}") from None
+        raise UserError(f"{s.target}: {e}") from None
     d = settings["dataset"]
     spec = DatasetSpec(type_=d["type_"], args=d["args"], batch_size=d["batch_size"])
     dataset = make_dataset(spec, tok, d["base"])
@@ -312,11 +319,11 @@ def _run_one(s, settings, plan, device: str):
         )
     elif settings["workflow"] is not None:
         raise UserError(
-            f"{s['target']}: the recipe's actor generates episodes ({settings['workflow']['type_']}), which "
+            f"{s.target}: the recipe's actor generates episodes ({settings['workflow']['type_']}), which "
             "run their tools in this process: evaluate a checkpoint, or pass --no-workflow"
         )
     else:
-        target = RemoteTarget(s["target"], tok)
+        target = RemoteTarget(s.target, tok)
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -328,7 +335,7 @@ def _run_one(s, settings, plan, device: str):
     )
     try:
         with progress:
-            task = progress.add_task(_short(s["label"]), total=len(dataset))
+            task = progress.add_task(_short(s.label), total=len(dataset))
             return evaluate(target, batches, plan, lambda m: progress.advance(task, m))
     finally:
         target.close()
@@ -338,17 +345,16 @@ def _short(label: str, width: int = 40) -> str:
     return label if len(label) <= width else "…" + label[-(width - 1) :]
 
 
-def _columns(reports, ks) -> list[str]:
-    names = list(reports[0][1])
-    return [m for m in names if not m.endswith("_ci95")]
+def _columns(reports) -> list[str]:
+    return [m for m in reports[0][1] if not m.endswith("_ci95")]
 
 
 def _fmt(name: str, v: float) -> str:
     return f"{v:.1f}" if name == "response_tokens" else f"{v:.3f}"
 
 
-def _table(reports, ks) -> None:
-    cols = _columns(reports, ks)
+def _table(reports) -> None:
+    cols = _columns(reports)
     if len(reports) == 1:
         label, metrics, results = reports[0]
         console.print(Text(f"{label}: {len(results)} prompts"), soft_wrap=True)

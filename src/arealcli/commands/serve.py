@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from arealcli.commands.common import console, fail
+from arealcli.runtime.wire.auth import ADMIN_KEY_ENV, API_KEY_ENV, WEIGHTS_DIR_ENV
 
 
 class Device(str, Enum):
@@ -45,7 +46,7 @@ def serve(
     api_key: str = typer.Option(
         None,
         "--api-key",
-        envvar="AREAL_API_KEY",
+        envvar=API_KEY_ENV,
         metavar="KEY",
         help="Require Authorization: Bearer KEY on every endpoint but /health (prefer the AREAL_API_KEY "
         "variable: a command line is visible to `ps`).",
@@ -53,7 +54,7 @@ def serve(
     admin_key: str = typer.Option(
         None,
         "--admin-key",
-        envvar="AREAL_ADMIN_KEY",
+        envvar=ADMIN_KEY_ENV,
         metavar="KEY",
         help="The key of the control endpoints (weight updates, abort, slow_down, flush_cache); default: "
         "the API key.",
@@ -111,7 +112,8 @@ def serve(
             log_requests,
             max_n,
             max_body_mb,
-            Keys(api_key, admin_key, os.environ.get(WEIGHTS_DIR_ENV)),
+            Keys(api_key, admin_key),
+            os.environ.get(WEIGHTS_DIR_ENV),  # set for the servers a run launches
         )
     except OSError as e:
         raise fail([str(e)]) from None
@@ -126,10 +128,6 @@ def serve(
         serve_forever(server, ready)
     except KeyboardInterrupt:
         console.print("stopped")
-
-
-# Set by `areal train` for the servers it launches: the only folder their weight updates may load from.
-WEIGHTS_DIR_ENV = "AREAL_WEIGHTS_DIR"
 
 
 def _loopback(host: str) -> bool:

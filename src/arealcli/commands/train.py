@@ -98,18 +98,24 @@ def _say_stop(lines: list[str]) -> None:
         err_console.print(Text(lines[1]), soft_wrap=True)
 
 
+def kept_checkpoint(run_dir: Path) -> tuple[Path, int] | tuple[None, None]:
+    """The run's last complete checkpoint and its step (None, None before the first)."""
+    from arealcli.runtime.run.checkpoint import latest_checkpoint
+    from arealcli.runtime.run.targets import step_of
+
+    kept = latest_checkpoint(run_dir / "checkpoints", cleanup=False)
+    return (kept, step_of(kept)) if kept is not None else (None, None)
+
+
 def stop_message(why: str, job: Invocation) -> list[str]:
     """What an interrupted run says: the checkpoint kept (step and path) and the command that
     continues from it."""
-    from arealcli.runtime.run.checkpoint import latest_checkpoint
-
-    kept = latest_checkpoint(job.run_dir / "checkpoints", cleanup=False)
+    kept, step = kept_checkpoint(job.run_dir)
     if kept is None:
         return [
             f"{why}: no checkpoint was written yet, so nothing can be resumed",
             f"start again with: {job.restart_command()}",
         ]
-    step = int(kept.name.split("_")[-1])
     return [
         f"{why}: the last complete checkpoint is kept: step {step}, {kept}",
         f"continue with: {job.resume_command()}",
@@ -118,10 +124,7 @@ def stop_message(why: str, job: Invocation) -> list[str]:
 
 def _recover(recovery, failure, job: Invocation) -> bool:
     """Start again from the last checkpoint (say so), or say why not (False)."""
-    from arealcli.runtime.run.checkpoint import latest_checkpoint
-
-    kept = latest_checkpoint(job.run_dir / "checkpoints", cleanup=False)
-    step = int(kept.name.split("_")[-1]) if kept is not None else None
+    _, step = kept_checkpoint(job.run_dir)
     why_not = recovery.why_not(failure, step)
     if why_not is not None:
         if step is not None:  # (without a checkpoint the stop message says so)
@@ -253,13 +256,12 @@ def train(
 
 def train_here(resolved, recipe: Path, job: Invocation, resume: bool) -> None:
     from arealcli.runtime.console.report import summary_lines
-    from arealcli.runtime.run.driver import Display, run
+    from arealcli.runtime.run.driver import Display, attempt_of, run
+    from arealcli.runtime.run.failures import Recovery, failure_of
 
     def stopped(e: KeyboardInterrupt) -> None:
         why = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
         _say_stop(stop_message(why, job))
-
-    from arealcli.runtime.run.failures import Recovery, failure_of
 
     display = Display(console, lambda note: say_error(note, title="note"))
     recovery = Recovery(resolved.trainer.recover.mode, resolved.trainer.recover.retries)
@@ -275,10 +277,11 @@ def train_here(resolved, recipe: Path, job: Invocation, resume: bool) -> None:
         except UserError as e:
             raise fail(e.lines) from None
         except Exception as e:  # noqa: BLE001  (every other failure: one message, or a recovery)
-            failure = failure_of(e, job.run_dir, getattr(e, "arealcli_step", None))
-            if first_start is None and hasattr(e, "arealcli_start_step"):
-                first_start = e.arealcli_start_step
-            spent += getattr(e, "arealcli_elapsed_s", 0.0)
+            attempt = attempt_of(e)
+            failure = failure_of(e, job.run_dir, attempt.global_step + 1 if attempt else None)
+            if attempt is not None:
+                first_start = attempt.start_step if first_start is None else first_start
+                spent += attempt.elapsed_s
             if not _recover(recovery, failure, job):
                 _say_failure(failure, job)
                 raise typer.Exit(1) from None

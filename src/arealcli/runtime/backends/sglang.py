@@ -11,7 +11,6 @@ forward passes (`areal check` refuses such calls on it).
 from __future__ import annotations
 
 import atexit
-import secrets
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,11 +21,9 @@ from arealcli.runtime.clients.client import GenerationClient
 from arealcli.runtime.engines.inference import EventLoopThread, InferenceEngine, prompt_groups  # noqa: F401
 from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.models.weights import export_hf
+from arealcli.runtime.wire.auth import API_KEY_ENV, WEIGHTS_DIR_ENV, fresh_key
 from arealcli.runtime.wire.sglang import update_weights_payload
 from arealcli.schema.components.backends import SGLangBackendArgs
-
-API_KEY_ENV = "AREAL_API_KEY"  # what `areal serve` (and our SGLang wrapper) read the key from
-WEIGHTS_DIR_ENV = "AREAL_WEIGHTS_DIR"  # the only folder a launched server's weight updates load from
 
 
 class SGLangEngine(InferenceEngine):
@@ -93,7 +90,7 @@ class SGLangBackend(ModelBackend):
         weights = root / "weights" / model.name / "init"
         export_hf(model.initial_module(), model.tokenizer, weights)
         atexit.register(self._stop_servers)  # also when the trainer never reaches destroy()
-        self.api_key = secrets.token_urlsafe(32)  # this run's, for its servers alone
+        self.api_key = fresh_key()  # this run's, for its servers alone
         keys = {API_KEY_ENV: self.api_key, WEIGHTS_DIR_ENV: str((root / "weights").resolve())}
         self.servers = launcher.launch(a, str(weights), root / "servers", model.name, secrets=keys)
         launcher.wait_ready(self.servers, a.startup_timeout_s)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import secrets
 import tempfile
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from arealcli.runtime.clients.vllm import VLLMClient
 from arealcli.runtime.engines.inference import EventLoopThread, InferenceEngine
 from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.models.weights import export_hf
+from arealcli.runtime.wire.auth import VLLM_API_KEY_ENV, fresh_key
 from arealcli.schema.checks.placement import compact
 from arealcli.schema.components.backends import VLLMBackendArgs, share
 
@@ -127,7 +127,7 @@ class VLLMBackend(SGLangBackend):
         export_hf(model.initial_module(), model.tokenizer, weights)
         python = a.python_executable or os.environ.get(PYTHON_ENV) or "python"
         atexit.register(self._stop_servers)  # also when the trainer never reaches destroy()
-        self.api_key = secrets.token_urlsafe(32)
+        self.api_key = fresh_key()
         self.servers = launcher.launch(
             a,
             str(weights),
@@ -135,7 +135,7 @@ class VLLMBackend(SGLangBackend):
             model.name,
             command=lambda port, i: server_command(a, python, str(weights), port),
             extra_env=lambda i: server_env(a, i),
-            secrets={"VLLM_API_KEY": self.api_key},  # vLLM's own variable: its /v1 routes want it
+            secrets={VLLM_API_KEY_ENV: self.api_key},  # vLLM's own variable: its /v1 routes want it
         )
         launcher.wait_ready(self.servers, a.startup_timeout_s)
         self._supervise(model.name)

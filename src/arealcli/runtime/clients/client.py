@@ -36,6 +36,7 @@ from arealcli.runtime.engines.inference import (  # noqa: F401  (Sample, EventLo
     GroupGenerator,
     Sample,
 )
+from arealcli.runtime.wire.auth import bearer
 from arealcli.runtime.wire.sglang import Completion, generate_payload, parse_completion
 
 logger = logging.getLogger(__name__)
@@ -101,11 +102,12 @@ class _Answer:
 
 class _Retryable(Exception):
     """A connection-level failure (refused, reset, died mid-request, HTTP 5xx): try another server.
-    `stalled`: the server is alive but stopped answering (a supervised one is restarted)."""
+    `stalled`: the server is alive but stopped answering (a supervised one is restarted); `answered`: it
+    answered, with an HTTP 5xx (alive: never a reason to restart it)."""
 
-    def __init__(self, message: str, stalled: bool = False):
+    def __init__(self, message: str, stalled: bool = False, answered: bool = False):
         super().__init__(message)
-        self.stalled = stalled
+        self.stalled, self.answered = stalled, answered
 
 
 # aiohttp's connect timeout is a ServerTimeoutError like a read timeout; only the latter is fatal
@@ -144,7 +146,7 @@ class GenerationClient(GroupGenerator):
         if supervisor is not None:
             self.why_down = supervisor.why_down
         self.reconnect_timeout_s = reconnect_timeout_s
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = bearer(api_key)
         self.current_update: Any = None  # the newest weight update: a restarted server gets it
         self.events: list[str] = []  # restarts and reconnections, for the console (taken by the trainer)
         self.restarts, self.time_lost_s = 0, 0.0
@@ -196,7 +198,7 @@ class GenerationClient(GroupGenerator):
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             raise _Retryable(_describe(e)) from e
         if answer.status >= 500:
-            raise _Retryable(f"HTTP {answer.status}: {answer.error_message()}")
+            raise _Retryable(f"HTTP {answer.status}: {answer.error_message()}", answered=True)
         return answer
 
     async def _send_watched(self, s: _Server, method: str, path: str, payload: Any = None) -> _Answer:
@@ -309,7 +311,7 @@ class GenerationClient(GroupGenerator):
     async def _should_restart(self, s: _Server, e: _Retryable) -> bool:
         """A supervised server that stopped answering, or whose process exited (the connection may
         break a moment before the process can be reaped: look again for a second)."""
-        if not self._supervised(s):
+        if not self._supervised(s) or e.answered:
             return False
         if e.stalled:
             return True

@@ -27,6 +27,7 @@ from typing import IO
 
 import httpx
 
+from arealcli.runtime.wire.auth import API_KEY_ENV
 from arealcli.schema.checks.placement import UNPLACED_CPUS_ENV, parse_ids
 from arealcli.schema.components.backends import SGLangBackendArgs, VLLMBackendArgs
 from arealcli.schema.components.engine import MAX_SAMPLES_PER_PROMPT
@@ -70,7 +71,7 @@ def free_port(host: str) -> int:
 # `python -m sglang.launch_server ARGS`, given its --api-key from the environment (AREAL_API_KEY) inside
 # the process: the key is never on a command line, which every user of the machine can read (`ps`).
 SGLANG_WITH_KEY = (
-    "import os, runpy, sys; key = os.environ.pop('AREAL_API_KEY', None); "
+    f"import os, runpy, sys; key = os.environ.pop('{API_KEY_ENV}', None); "
     "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key', key] if key else []); "
     "runpy.run_module('sglang.launch_server', run_name='__main__')"
 )

@@ -14,7 +14,6 @@ length of sampled responses in tokens and the share cut at max_new_tokens.
 from __future__ import annotations
 
 import math
-import random
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,16 +89,16 @@ def summarize(
     results: list[PromptResult], ks: list[int], binary: bool, n_boot: int = 1000, seed: int = 0
 ) -> dict[str, Any]:
     """`{metric: mean, metric_ci95: [lo, hi], ...}` over the prompts."""
+    import numpy as np
+
     out: dict[str, Any] = {}
-    rng = random.Random(seed)
     m = len(results)
-    picks = [[rng.randrange(m) for _ in range(m)] for _ in range(n_boot)] if m else []
+    # one set of resamples for every metric (rows: resamples, columns: the prompts drawn)
+    picks = np.random.default_rng(seed).integers(0, m, size=(n_boot, m)) if m else None
     for name, vals in per_prompt_values(results, ks, binary).items():
         out[name] = sum(vals) / m if m else float("nan")
-        means = sorted(sum(vals[i] for i in pick) / m for pick in picks)
-        if means:
-            out[f"{name}_ci95"] = [
-                means[int(0.025 * (n_boot - 1))],
-                means[int(math.ceil(0.975 * (n_boot - 1)))],
-            ]
+        if picks is not None:
+            means = np.sort(np.asarray(vals, dtype=np.float64)[picks].mean(axis=1))
+            lo, hi = means[int(0.025 * (n_boot - 1))], means[int(math.ceil(0.975 * (n_boot - 1)))]
+            out[f"{name}_ci95"] = [float(lo), float(hi)]
     return out

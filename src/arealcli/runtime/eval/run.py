@@ -125,7 +125,7 @@ class RemoteTarget:
         }
         if g.stop_token_ids:
             body["stop_token_ids"] = g.stop_token_ids
-        answer = self.chat._request("POST", "/completions", body)
+        answer = self.chat.request("POST", "/completions", body)
         choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != n:
             raise UserError(f"{self.chat.base}/completions returned {len(choices)} choices for n={n}")

@@ -95,11 +95,9 @@ def run(
                 progress.start(trainer.global_step, trainer.total_steps)
             trainer.train()
     except Exception as e:
-        if trainer.logger is not None:  # it failed while training: say in which step, after how many
+        if trainer.logger is not None:  # it failed while training: what this attempt did, for the caller
             with contextlib.suppress(AttributeError):
-                e.arealcli_step = trainer.global_step + 1  # type: ignore[attr-defined]
-                e.arealcli_start_step = start_step  # type: ignore[attr-defined]
-                e.arealcli_elapsed_s = time.perf_counter() - t0  # type: ignore[attr-defined]
+                e.arealcli_run = RunResult(trainer.global_step, time.perf_counter() - t0, start_step)  # type: ignore[attr-defined]
         raise
     except KeyboardInterrupt as e:
         if progress is not None:
@@ -112,6 +110,12 @@ def run(
         if stop is not None:
             stop.restore()
     return RunResult(trainer.global_step, time.perf_counter() - t0, start_step)
+
+
+def attempt_of(error: BaseException) -> RunResult | None:
+    """What a run that raised `error` while training had done (its `global_step` is the last complete
+    step: the failure was in the next one); None when it failed before training."""
+    return getattr(error, "arealcli_run", None)
 
 
 def busy_note(policy) -> list[str]:

@@ -36,6 +36,7 @@ from arealcli.runtime.run import checkpoint as ckpt
 from arealcli.runtime.run.dataflow import Call, run_calls
 from arealcli.runtime.run.metrics import JSONLSink, MetricLogger, WandbSink, tensorboard_sink
 from arealcli.runtime.run.rollout import RolloutProducer
+from arealcli.runtime.run.targets import step_of
 from arealcli.runtime.run.weight_sync import WeightSync
 from arealcli.schema.recipe import ModelSpec, Recipe, on_rollout_side
 
@@ -458,7 +459,7 @@ class Trainer:
 
     def latest_saved_step(self) -> int | None:
         latest = ckpt.latest_checkpoint(self.ckpt_root)
-        return int(latest.name.split("_")[1]) if latest else None
+        return step_of(latest) if latest else None
 
     def save(self) -> Path:
         """Collective: every rank writes its part of each model; rank 0 the trainer state."""

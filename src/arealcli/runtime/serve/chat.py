@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from arealcli.errors import UserError
 from arealcli.runtime.console.chat import ChatError, Reply, SamplingFlags
+from arealcli.runtime.wire.auth import API_KEY_ENV, bearer
 
 
 class LocalChat:
@@ -93,17 +94,17 @@ class RemoteChat:
         root = url.rstrip("/")
         self.base = root if root.endswith("/v1") else f"{root}/v1"
         loopback = parts.hostname in ("127.0.0.1", "localhost", "::1")
-        key = os.environ.get("AREAL_API_KEY")  # a keyed server (areal serve --api-key, vLLM --api-key)
+        key = os.environ.get(API_KEY_ENV)  # a keyed server (areal serve --api-key, vLLM --api-key)
         self.http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=10),
             trust_env=not loopback,
-            headers={"Authorization": f"Bearer {key}"} if key else None,
+            headers=bearer(key),
         )
         self.model = model or self._served_model()
         self.name = f"{self.model} at {url}"
         self.chat_template = self._has_chat_template()
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         import httpx
 
         try:
@@ -119,7 +120,7 @@ class RemoteChat:
 
     def _served_model(self) -> str:
         try:
-            data = self._request("GET", "/models").get("data") or []
+            data = self.request("GET", "/models").get("data") or []
         except (ChatError, AttributeError) as e:
             raise UserError(f"{self.base} does not list its models (GET /v1/models): {e}") from None
         if not data or not isinstance(data[0], dict) or "id" not in data[0]:
@@ -152,11 +153,11 @@ class RemoteChat:
         }
 
     def _chat(self, messages: list[dict[str, str]], s: SamplingFlags) -> Reply:
-        out = self._request("POST", "/chat/completions", {"messages": messages, **self._sampling(s)})
+        out = self.request("POST", "/chat/completions", {"messages": messages, **self._sampling(s)})
         return _reply(out, lambda choice: (choice.get("message") or {}).get("content") or "")
 
     def _complete(self, prompt: str, s: SamplingFlags) -> Reply:
-        out = self._request("POST", "/completions", {"prompt": prompt, **self._sampling(s)})
+        out = self.request("POST", "/completions", {"prompt": prompt, **self._sampling(s)})
         return _reply(out, lambda choice: choice.get("text") or "")
 
     @staticmethod

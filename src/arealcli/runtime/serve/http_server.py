@@ -40,6 +40,7 @@ from aiohttp import web
 from arealcli.runtime.generation.model_runner import ModelRunner
 from arealcli.runtime.generation.sampling import StopTexts
 from arealcli.runtime.generation.scheduler import Scheduler, Sequence
+from arealcli.runtime.wire.auth import key_of
 from arealcli.runtime.wire.openai import (
     Choice,
     ChunkPiece,
@@ -65,11 +66,12 @@ logger = logging.getLogger(__name__)
 class GenerationService:
     """The endpoints, as methods: body (parsed JSON) -> (status, JSON payload, or text when a str)."""
 
-    weights_dir: str | None = None  # set by make_app: where /update_weights_from_disk may load from
-
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_n: int = 64):
+    def __init__(
+        self, runner: ModelRunner, scheduler: Scheduler, max_n: int = 64, weights_dir: str | None = None
+    ):
         self.runner, self.scheduler = runner, scheduler
         self.max_n = max_n  # samples per prompt in one request
+        self.weights_dir = weights_dir  # /update_weights_from_disk loads only from below it (when set)
         self.served_model_name = runner.model_path
         self.tokenizer_path = runner.tokenizer_path
         self.shutting_down = False
@@ -651,18 +653,16 @@ OPEN = {"health"}  # answered without a key (liveness probes)
 
 @dataclasses.dataclass(frozen=True)
 class Keys:
-    """Who may call: `api` for every endpoint but /health, `admin` (default: the API key) for CONTROL.
-    `weights_dir`: /update_weights_from_disk loads only from below it (servers launched by a run)."""
+    """Who may call: `api` for every endpoint but /health, `admin` (default: the API key) for CONTROL."""
 
     api: str | None = None
     admin: str | None = None
-    weights_dir: str | None = None
 
     def refusal(self, name: str, header: str | None) -> tuple[int, str] | None:
         """(401 or 403, why) when a request with Authorization `header` may not call endpoint `name`."""
         if self.api is None or name in OPEN:
             return None
-        given = header[7:] if header is not None and header.startswith("Bearer ") else None
+        given = key_of(header)
         admin = self.admin or self.api
         if name in CONTROL:
             if given is not None and hmac.compare_digest(given.encode(), admin.encode()):
@@ -680,7 +680,6 @@ class Keys:
 
 def make_app(service: GenerationService, max_body_mb: int = 16, keys: Keys | None = None) -> web.Application:
     keys = keys or Keys()
-    service.weights_dir = keys.weights_dir
 
     def route(name: str):
         method = getattr(service, name)
@@ -791,6 +790,7 @@ def make_server(
     max_n: int = 64,
     max_body_mb: int = 16,
     keys: Keys | None = None,
+    weights_dir: str | None = None,
 ) -> GenerationServer:
     """Load the model, bind the socket (port 0 = any free port) and start the batching loop."""
     runner = ModelRunner(model_path, device, dtype)
@@ -806,7 +806,7 @@ def make_server(
     gc.collect()
     gc.freeze()
     return GenerationServer(
-        GenerationService(runner, scheduler, max_n), sock, log_requests, max_body_mb, keys
+        GenerationService(runner, scheduler, max_n, weights_dir), sock, log_requests, max_body_mb, keys
     )
 
 
