@@ -17,6 +17,7 @@ LAYERS = {
     "clients": 3,
     "backends": 4, "agents": 4, "interfaces": 4,
     "run": 5, "serve": 5, "eval": 5,
+    "launchers": 6,
 }  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from arealcli.commands.common import (
 )
 from arealcli.errors import UserError
 from arealcli.runtime.console.progress import header
+from arealcli.runtime.run.launch import PREPARED_ENV, RESUME_FLAGS_ENV
 from arealcli.runtime.run.session import (
     COMMANDS_LOG,
     RUN_MARKER,
@@ -84,6 +86,31 @@ class Invocation:
     def restart_command(self) -> str:
         out = ["-o", str(self.run_dir)] if self.run_dir != self.default_run_dir else []
         return shlex.join(["areal", "train", str(self.recipe), *self.overrides, *out, "--overwrite"])
+
+
+@dataclass
+class ClusterFlags:
+    """The command-line flags of `--launcher slurm|ray`."""
+
+    launcher: str
+    nnodes: int | None
+    nproc_per_node: int
+    address: str | None
+    wait: bool
+    dry_run: bool
+    resume: bool
+    overwrite: bool
+
+    def argv(self) -> list[str]:
+        """The flags that start this job again (in the command a stopped run prints)."""
+        out = [f"--launcher={self.launcher}"]
+        if self.nnodes is not None:
+            out.append(f"--nnodes={self.nnodes}")
+        if self.nproc_per_node > 1:
+            out.append(f"--nproc-per-node={self.nproc_per_node}")
+        if self.address:
+            out.append(f"--address={self.address}")
+        return out
 
 
 def _say_stop(lines: list[str]) -> None:
@@ -172,7 +199,11 @@ def train(
         1, "--nproc-per-node", min=1, metavar="N", help="Worker processes on this node (data-parallel ranks)."
     ),
     nnodes: int = typer.Option(
-        1, "--nnodes", min=1, metavar="N", help="Nodes (run the same command on each)."
+        None,
+        "--nnodes",
+        min=1,
+        metavar="N",
+        help="Nodes: local: run the same command on each; slurm/ray: the job's (default cluster.nodes).",
     ),
     node_rank: int = typer.Option(
         0, "--node-rank", min=0, metavar="N", help="This node's rank, 0..nnodes-1."
@@ -184,6 +215,22 @@ def train(
         metavar="PORT",
         help="Rendezvous port on node 0 (default: a free port; 29500 multi-node).",
     ),
+    launcher: str = typer.Option(
+        "local",
+        "--launcher",
+        metavar="local|slurm|ray",
+        help="local: processes on this machine; slurm: submit an sbatch job; ray: run on a Ray cluster "
+        "(recipe `cluster:` places servers and trainer by node).",
+    ),
+    address: str = typer.Option(
+        None, "--address", metavar="HOST:PORT", help="--launcher ray: the cluster (default RAY_ADDRESS)."
+    ),
+    wait: bool = typer.Option(
+        False,
+        "--wait",
+        help="--launcher slurm: follow the job's trainer log until it ends, and exit with its code.",
+        metavar="",
+    ),
 ) -> None:
     """Train: build the models and run the recipe's dataflow every step.
 
@@ -191,13 +238,22 @@ def train(
     areal train recipes/quickstart.yaml
     areal train recipes/sft-quickstart.yaml trainer.max_steps=40 -o runs/sft-short
     areal train recipes/quickstart.yaml --resume trainer.max_steps=300
-    areal train recipes/quickstart.yaml --dry-run
+    areal train recipes/quickstart-server.yaml --launcher slurm --nnodes 2 --dry-run
     """
+    if launcher not in ("local", "slurm", "ray"):
+        raise fail([f"--launcher {launcher!r}: choose local, slurm or ray"])
     resolved, src = load_recipe(recipe, overrides or [])
     problems = path_problems(resolved, recipe.resolve().parent)
     if problems:
         raise fail([f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems])
     run_dir = run_dir_for(resolved, output_dir)
+    if launcher != "local":
+        from arealcli.commands.train_cluster import launch_cluster
+
+        flags = ClusterFlags(launcher, nnodes, nproc_per_node, address, wait, dry_run, resume, overwrite)
+        job = Invocation(recipe, overrides or [], run_dir, run_dir_for(resolved, None), flags.argv(), resume)
+        return launch_cluster(resolved, job, flags)
+    nnodes = nnodes or 1
     world = nproc_per_node * nnodes
     if node_rank >= nnodes:
         raise fail([f"--node-rank {node_rank} must be below --nnodes {nnodes}"])
@@ -211,8 +267,10 @@ def train(
     launch_flags = [f"--nproc-per-node={nproc_per_node}"] if nproc_per_node > 1 else []
     if nnodes > 1:
         launch_flags += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--master-addr={master_addr}"]
+    if os.environ.get(RESUME_FLAGS_ENV) is not None:  # started by a cluster launcher: say its command
+        launch_flags = shlex.split(os.environ[RESUME_FLAGS_ENV])
     job = Invocation(recipe, overrides or [], run_dir, run_dir_for(resolved, None), launch_flags, resume)
-    if node_rank == 0:  # the run directory is node 0's (shared with the other nodes)
+    if node_rank == 0 and os.environ.get(PREPARED_ENV) != "1":  # node 0's (shared with the other nodes)
         try:
             replaced = prepare_run_dir(run_dir, resume, overwrite)
             notes = check_resume(resolved, recipe.resolve().parent, run_dir) if resume else []

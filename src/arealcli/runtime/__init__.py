@@ -7,5 +7,6 @@ Folders, in layers (a package imports, at module level, only packages of lower l
     3  clients
     4  backends, agents, interfaces
     5  run, serve, eval
+    6  launchers
 `tests/test_layout.py` holds the house to this.
 """

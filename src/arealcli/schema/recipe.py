@@ -256,6 +256,72 @@ class RolloutSpec(StrictModel):
     )
 
 
+TRAINER = "trainer"  # the `cluster.allocation` key of the trainer ranks (the others name models)
+
+
+class SlurmSpec(StrictModel):
+    """`areal train --launcher slurm`: what the sbatch script asks Slurm for."""
+
+    partition: str | None = Field(None, description="sbatch --partition; null: the cluster's default.")
+    account: str | None = Field(None, description="sbatch --account.")
+    time: str | None = Field(
+        None,
+        pattern=r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$",
+        description="sbatch --time, e.g. 04:00:00 or 1-00:00:00; null: the partition's limit.",
+    )
+    sbatch_args: list[str] = Field(
+        default_factory=list, description="More sbatch options, one per item, e.g. --qos=high."
+    )
+    setup: list[str] = Field(
+        default_factory=list,
+        description="Shell lines run at the top of the job script, e.g. `module load cuda` or "
+        "`source venv/bin/activate`.",
+    )
+    stop_grace_s: PositiveInt = Field(
+        300,
+        description="SIGTERM this long before the time limit (sbatch --signal): the trainer saves a "
+        "checkpoint and stops cleanly.",
+    )
+
+
+class ClusterSpec(StrictModel):
+    """Where a multi-node run goes: how many nodes, what each has, and which servers run on which.
+
+    Used by `areal train --launcher slurm|ray` (the local launcher ignores it). `allocation` maps
+    `trainer` and the names of server-backed generation models (sglang or vllm with `launch`) to node
+    indices 0..nodes-1: those servers are started on their nodes by the launcher, in their own job
+    step or Ray actor, and the trainer connects to them by address. Unlisted: the trainer ranks go on
+    every node no server was given (every node when servers have them all); other launched servers are
+    started by the trainer, as on one machine.
+    """
+
+    nodes: PositiveInt | None = Field(
+        None, le=4096, description="Nodes of the job; default: --nnodes, else what the allocation names."
+    )
+    cpus_per_node: PositiveInt | None = Field(None, description="CPU cores asked for on each node.")
+    gpus_per_node: NonNegativeInt = Field(0, le=64, description="GPUs asked for on each node.")
+    allocation: dict[str, list[NonNegativeInt]] = Field(
+        default_factory=dict,
+        description="Node indices of `trainer` and of generation models' servers, e.g. "
+        "{actor_gen: [0], trainer: [1]}.",
+    )
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec, description="Slurm job settings.")
+
+    @model_validator(mode="after")
+    def _nodes_exist(self) -> ClusterSpec:
+        for key, ids in self.allocation.items():
+            if not ids:
+                raise ValueError(f"allocation.{key}: give at least one node index")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"allocation.{key}: node {ids} named twice")
+            if self.nodes is not None and max(ids) >= self.nodes:
+                raise ValueError(
+                    f"allocation.{key}: node {max(ids)} does not exist in a {self.nodes}-node job "
+                    f"(nodes are 0..{self.nodes - 1})"
+                )
+        return self
+
+
 class Recipe(StrictModel):
     """A whole training recipe."""
 
@@ -275,6 +341,9 @@ class Recipe(StrictModel):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec, description="Loop settings.")
     rollout: RolloutSpec | None = Field(
         None, description="Asynchronous rollout (generation ahead of training); absent = synchronous."
+    )
+    cluster: ClusterSpec | None = Field(
+        None, description="Multi-node placement for `areal train --launcher slurm|ray`."
     )
 
     @model_validator(mode="after")

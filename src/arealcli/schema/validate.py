@@ -16,6 +16,7 @@ from arealcli.schema import plan, presets
 from arealcli.schema.checks.args import Typed, check_args, find_abstractions
 from arealcli.schema.checks.calls import check_calls, check_inputs
 from arealcli.schema.checks.capabilities import check_call_capabilities, check_followers_load_weights
+from arealcli.schema.checks.cluster import check_cluster
 from arealcli.schema.checks.context import graph_of
 from arealcli.schema.checks.lora import check_lora
 from arealcli.schema.checks.models import (
@@ -48,6 +49,7 @@ GRAPH_CHECKS = (
     check_followers_load_weights,
     check_rollout,
     check_placement,
+    check_cluster,
     check_eval_dataset,
     check_packages,
 )

@@ -34,11 +34,17 @@ from arealcli.runtime.models.weights import load_hf_weights
 from arealcli.runtime.registry import make_backend, make_dataset, make_interface
 from arealcli.runtime.run import checkpoint as ckpt
 from arealcli.runtime.run.dataflow import Call, run_calls
+from arealcli.runtime.run.launch import given_servers
 from arealcli.runtime.run.metrics import JSONLSink, MetricLogger, WandbSink, tensorboard_sink
 from arealcli.runtime.run.rollout import RolloutProducer
 from arealcli.runtime.run.targets import step_of
 from arealcli.runtime.run.weight_sync import WeightSync
 from arealcli.schema.recipe import ModelSpec, Recipe, on_rollout_side
+
+
+def model_seeds(recipe: Recipe) -> dict[str, int]:
+    """Each model's weight seed: the recipe's seed plus its place in the build order."""
+    return {name: recipe.seed + i for i, name in enumerate(model_build_order(recipe))}
 
 
 def model_build_order(recipe: Recipe) -> list[str]:
@@ -161,15 +167,14 @@ class Trainer:
         )
         self.trained = {c.model for c in r.dataflow.calls if c.type == "train_step" and c.model}
         order = model_build_order(r)
-        seeds = {name: r.seed + i for i, name in enumerate(order)}
+        seeds = model_seeds(r)
         backends = {
-            name: make_backend(r.models[name].backend) for name in order if not r.models[name].base_of
+            name: make_backend(given_servers(name, r.models[name].backend))
+            for name in order
+            if not r.models[name].base_of
         }
         specs = {name: self._resolved_spec(name) for name in backends}
-
-        def fresh(name: str) -> Any:  # the module as the recipe describes it, built anew
-            source = specs[name].init_from
-            return build_module(specs[name], self.tokenizer, seeds[name], fresh(source) if source else None)
+        fresh = self.fresh_module
 
         raw: dict[str, Any] = {}
         eager = self._eager_models(backends)
@@ -189,6 +194,13 @@ class Trainer:
             self.models[name] = self._initialize(backends[name], model, spec, resume_from)
         if r.dataset.batch_size % distributed.dp_world():  # known once the backends are set up
             raise ValueError(batch_size_problem(r.dataset.batch_size, distributed.dp_world()))
+
+    def fresh_module(self, name: str) -> Any:
+        """Model `name`'s torch module as the recipe describes it, built anew (seeded: the same every
+        time, in every process; after `_setup_data`, which loads the tokenizer)."""
+        spec, source = self._resolved_spec(name), self.recipe.models[name].init_from
+        source_module = self.fresh_module(source) if source else None
+        return build_module(spec, self.tokenizer, model_seeds(self.recipe)[name], source_module)
 
     def _resolved_spec(self, name: str) -> ModelSpec:
         spec = self.recipe.models[name]

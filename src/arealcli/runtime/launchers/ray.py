@@ -1,0 +1,244 @@
+"""`areal train RECIPE --launcher ray`: the job on a running Ray cluster (`--address` or RAY_ADDRESS).
+
+One placement group, one bundle per node of the plan (`STRICT_SPREAD`: each bundle on its own Ray
+node; `cluster.cpus_per_node` and `gpus_per_node` CPUs and GPUs each, one CPU by default). Node i of
+`cluster.allocation` is bundle i. On each bundle a `NodeRunner` actor starts that node's processes as
+children of its own: the generation servers first (on a free port of the node, its address as Ray
+knows it), then, once they answer /health, `areal train --nnodes K --node-rank r` on each trainer
+node (rendezvous on the first), with the servers' addresses and key in its environment. The driver
+prints the first trainer node's output as it comes, and on Ctrl-C (or when the trainer ends) stops
+every process (SIGTERM, then SIGKILL), the actors and the placement group. Each process also logs to
+RUN/logs/NAME.nodeI.log on its node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from arealcli.errors import UserError
+from arealcli.runtime.launchers.plan import ClusterPlan
+from arealcli.runtime.run.launch import (
+    CLUSTER_KEY_ENV,
+    PREPARED_ENV,
+    RESUME_FLAGS_ENV,
+    SERVERS_ENV,
+)
+from arealcli.runtime.wire.auth import fresh_key
+
+PLACEMENT_TIMEOUT_S = 60.0
+STOP_GRACE_S = 120.0  # a trainer stopped by SIGTERM saves a checkpoint first
+
+
+@dataclass
+class RayJob:
+    plan: ClusterPlan
+    trainer_command: list[str]
+    run_dir: Path
+    resume_flags: str = ""
+    address: str | None = None
+
+
+class NodeRunner:
+    """Runs processes on one node (a Ray actor in the job's placement group)."""
+
+    def __init__(self, node: int, run_dir: str):
+        self.node, self.run_dir = node, Path(run_dir)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        from arealcli.runtime.clients.launcher import free_port
+
+        return free_port(self.ip())
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> str:
+        """Start `cmd` with `env` added; its output goes to RUN/logs/NAME.nodeI.log (returned)."""
+        log = self.run_dir / "logs" / f"{name}.node{self.node}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            self.procs[name] = subprocess.Popen(
+                cmd,
+                env={**os.environ, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: stopped as a whole
+            )
+        self.logs[name] = log
+        return str(log)
+
+    def wait_healthy(self, address: str, name: str, timeout_s: float) -> str | None:
+        from arealcli.runtime.launchers.health import wait_healthy
+
+        return wait_healthy([address], timeout_s, lambda: self.procs[name].poll() is None)
+
+    def read(self, name: str, offset: int) -> tuple[str, int, int | None]:
+        """(new output since `offset`, the new offset, the exit code once it ended)."""
+        code = self.procs[name].poll()
+        with open(self.logs[name], "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        return data.decode(errors="replace"), offset + len(data), code
+
+    def signal(self, sig: int) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+
+    def stop(self, grace_s: float) -> dict[str, int | None]:
+        """SIGTERM every process, SIGKILL what is left after `grace_s`; their exit codes."""
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(p.poll() is None for p in self.procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.signal(signal.SIGKILL)
+        return {name: p.wait() for name, p in self.procs.items()}
+
+
+def _connect(address: str | None) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--launcher ray needs ray: pip install 'arealcli[ray]'") from None
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        raise UserError("--launcher ray: give the cluster with --address HOST:PORT or RAY_ADDRESS")
+    try:
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False, configure_logging=False)
+    except Exception as e:  # noqa: BLE001  (ray raises ConnectionError and others)
+        raise UserError(f"--launcher ray: cannot connect to the Ray cluster at {address}: {e}") from None
+
+
+def _placement(plan: ClusterPlan):
+    import ray
+    from ray.util.placement_group import placement_group
+
+    bundle: dict[str, float] = {"CPU": float(plan.cpus_per_node or 1)}
+    if plan.gpus_per_node:
+        bundle["GPU"] = float(plan.gpus_per_node)
+    pg = placement_group([dict(bundle) for _ in range(plan.nodes)], strategy="STRICT_SPREAD")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        ray.util.remove_placement_group(pg)
+        raise UserError(
+            f"--launcher ray: the job needs {plan.nodes} node(s) with {bundle} each; the cluster has "
+            f"{len(alive)} alive node(s) and could not place them within {PLACEMENT_TIMEOUT_S:g} s"
+        )
+    return pg, bundle
+
+
+def run_on_ray(job: RayJob, echo: Callable[[str], None], say: Callable[[str], None]) -> int:
+    """Run the whole job; the first trainer node's exit code (130 after Ctrl-C)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    _connect(job.address)
+    plan = job.plan
+    pg, bundle = _placement(plan)
+    runner_cls: Any = ray.remote(NodeRunner)
+    runners: list[Any] = [
+        runner_cls.options(
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+        ).remote(i, str(job.run_dir.resolve()))
+        for i in range(plan.nodes)
+    ]
+    try:
+        ips = ray.get([r.ip.remote() for r in runners])
+        say(
+            f"Ray: {plan.nodes} node(s) placed: " + ", ".join(f"node {i} at {ip}" for i, ip in enumerate(ips))
+        )
+        key = fresh_key()
+        servers = _start_servers(job, runners, ips, key, say)
+        return _run_trainer(job, runners, ips, key, servers, echo, say)
+    except KeyboardInterrupt:
+        say("interrupted: stopping the trainer and the servers")
+        first = plan.trainer_nodes[0]
+        with contextlib.suppress(Exception):
+            ray.get(runners[first].stop.remote(STOP_GRACE_S), timeout=STOP_GRACE_S + 10)
+            text = ray.get(runners[first].read.remote("trainer", 0))[0]  # its last words: the stop message
+            echo("\n".join(text.rstrip().splitlines()[-3:]) + "\n")
+        return 130
+    finally:
+        with contextlib.suppress(Exception):
+            ray.get([r.stop.remote(STOP_GRACE_S) for r in runners], timeout=STOP_GRACE_S + 10)
+        for r in runners:
+            with contextlib.suppress(Exception):
+                ray.kill(r)
+        with contextlib.suppress(Exception):
+            ray.util.remove_placement_group(pg)
+        ray.shutdown()
+
+
+def _start_servers(job: RayJob, runners, ips: list[str], key: str, say) -> dict[str, list[str]]:
+    import ray
+
+    started = []
+    for task in job.plan.servers:
+        runner = runners[task.node]
+        port = task.port or ray.get(runner.free_port.remote())
+        address = f"{ips[task.node]}:{port}"
+        env = {**task.env, task.key_env: key}
+        ray.get(runner.start.remote(task.name, task.command_at(ips[task.node], port), env))
+        started.append((task, address))
+    by_model: dict[str, list[str]] = {}
+    for task, address in started:
+        why = ray.get(runners[task.node].wait_healthy.remote(address, task.name, 600.0))
+        if why is not None:
+            raise UserError(f"{task.model} server {task.index}: {why} (log: {job.run_dir}/logs/)")
+        by_model.setdefault(task.model, []).append(address)
+    if started:
+        say("servers up: " + ", ".join(f"{m} at {', '.join(a)}" for m, a in by_model.items()))
+    return by_model
+
+
+def _run_trainer(job: RayJob, runners, ips, key, servers, echo, say) -> int:
+    import ray
+
+    plan = job.plan
+    first = plan.trainer_nodes[0]
+    master_port = ray.get(runners[first].free_port.remote())
+    env = {PREPARED_ENV: "1", RESUME_FLAGS_ENV: job.resume_flags, CLUSTER_KEY_ENV: key}
+    if servers:
+        env[SERVERS_ENV] = json.dumps(servers)
+    for rank, node in enumerate(plan.trainer_nodes):
+        cmd = [*job.trainer_command, f"--node-rank={rank}", f"--master-addr={ips[first]}"]
+        ray.get(runners[node].start.remote("trainer", [*cmd, f"--master-port={master_port}"], env))
+    offsets = dict.fromkeys(plan.trainer_nodes, 0)
+    codes: dict[int, int | None] = dict.fromkeys(plan.trainer_nodes)
+    while True:
+        for node in plan.trainer_nodes:
+            if codes[node] is not None:
+                continue
+            text, offsets[node], codes[node] = ray.get(runners[node].read.remote("trainer", offsets[node]))
+            if node == first and text:
+                echo(text)
+        if codes[first] is not None or any(c not in (None, 0) for c in codes.values()):
+            break
+        time.sleep(0.5)
+    failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
+    if codes[first] is None and failed:
+        node, code = failed[0]
+        say(
+            f"the trainer on node {node} failed (exit code {code}); its log: {job.run_dir}/logs/trainer.node{node}.log"
+        )
+        return code or 1
+    return codes[first] or 0
