@@ -69,7 +69,9 @@ def _slurm(slurm_job, flags, job) -> None:
     say(f"submitted Slurm job {job_id}: {slurm_job.plan.nodes} node(s); script {script}")
     for line in slurm_job.plan.describe():
         say(f"  {line}")
-    say(f"logs: {logs}/ (trainer.NODE.log, MODEL-I.NODE.log, slurm-{job_id}.out); cancel: scancel {job_id}")
+    say(
+        f"logs: {logs}/ (trainer-R.log by node-rank, MODEL-I.log by server, slurm-{job_id}.out); cancel: scancel {job_id}"
+    )
     if not flags.wait:
         return
     try:

@@ -279,8 +279,8 @@ class SlurmSpec(StrictModel):
     )
     stop_grace_s: PositiveInt = Field(
         300,
-        description="SIGTERM this long before the time limit (sbatch --signal): the trainer saves a "
-        "checkpoint and stops cleanly.",
+        description="Stop the trainer (SIGTERM) this long before the time limit: it stops cleanly, keeping "
+        "its last checkpoint, and says the command that continues.",
     )
 
 

@@ -148,9 +148,12 @@ def export_initial_weights(recipe: Recipe, recipe_path: Path, run_dir: Path, mod
     """Write the initial weights of `models` (HF format, with the tokenizer) for their servers to start
     from: the modules the trainer would build (seeded), so a server holds the same weights here as one
     the trainer launches itself."""
+    from transformers.utils import logging as hf_logging
+
     from arealcli.runtime.models.weights import export_hf
     from arealcli.runtime.run.trainer import Trainer
 
+    hf_logging.disable_progress_bar()
     trainer = Trainer(recipe, recipe_path.resolve().parent, run_dir)
     trainer._setup_data()
     for model in models:

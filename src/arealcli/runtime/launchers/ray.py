@@ -8,7 +8,7 @@ knows it), then, once they answer /health, `areal train --nnodes K --node-rank r
 node (rendezvous on the first), with the servers' addresses and key in its environment. The driver
 prints the first trainer node's output as it comes, and on Ctrl-C (or when the trainer ends) stops
 every process (SIGTERM, then SIGKILL), the actors and the placement group. Each process also logs to
-RUN/logs/NAME.nodeI.log on its node.
+RUN/logs/ on its node: `trainer-R.log` (node-rank R), `MODEL-I.log` (server I of MODEL).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class NodeRunner:
 
     def start(self, name: str, cmd: list[str], env: dict[str, str]) -> str:
         """Start `cmd` with `env` added; its output goes to RUN/logs/NAME.nodeI.log (returned)."""
-        log = self.run_dir / "logs" / f"{name}.node{self.node}.log"
+        log = self.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             self.procs[name] = subprocess.Popen(
@@ -174,7 +174,7 @@ def run_on_ray(job: RayJob, echo: Callable[[str], None], say: Callable[[str], No
         first = plan.trainer_nodes[0]
         with contextlib.suppress(Exception):
             ray.get(runners[first].stop.remote(STOP_GRACE_S), timeout=STOP_GRACE_S + 10)
-            text = ray.get(runners[first].read.remote("trainer", 0))[0]  # its last words: the stop message
+            text = ray.get(runners[first].read.remote("trainer-0", 0))[0]  # its last words: the stop message
             echo("\n".join(text.rstrip().splitlines()[-3:]) + "\n")
         return 130
     finally:
@@ -221,14 +221,15 @@ def _run_trainer(job: RayJob, runners, ips, key, servers, echo, say) -> int:
         env[SERVERS_ENV] = json.dumps(servers)
     for rank, node in enumerate(plan.trainer_nodes):
         cmd = [*job.trainer_command, f"--node-rank={rank}", f"--master-addr={ips[first]}"]
-        ray.get(runners[node].start.remote("trainer", [*cmd, f"--master-port={master_port}"], env))
+        ray.get(runners[node].start.remote(f"trainer-{rank}", [*cmd, f"--master-port={master_port}"], env))
     offsets = dict.fromkeys(plan.trainer_nodes, 0)
     codes: dict[int, int | None] = dict.fromkeys(plan.trainer_nodes)
     while True:
-        for node in plan.trainer_nodes:
+        for rank, node in enumerate(plan.trainer_nodes):
             if codes[node] is not None:
                 continue
-            text, offsets[node], codes[node] = ray.get(runners[node].read.remote("trainer", offsets[node]))
+            read = runners[node].read.remote(f"trainer-{rank}", offsets[node])
+            text, offsets[node], codes[node] = ray.get(read)
             if node == first and text:
                 echo(text)
         if codes[first] is not None or any(c not in (None, 0) for c in codes.values()):
@@ -238,7 +239,8 @@ def _run_trainer(job: RayJob, runners, ips, key, servers, echo, say) -> int:
     if codes[first] is None and failed:
         node, code = failed[0]
         say(
-            f"the trainer on node {node} failed (exit code {code}); its log: {job.run_dir}/logs/trainer.node{node}.log"
+            f"the trainer on node {node} failed (exit code {code}); its log: "
+            f"{job.run_dir}/logs/trainer-{plan.trainer_nodes.index(node)}.log"
         )
         return code or 1
     return codes[first] or 0

@@ -9,10 +9,12 @@ The script (written to RUN/launch/slurm.sh, printed by `--dry-run`):
 4. starts the trainer as one step over the trainer nodes, one task per node, each running
    `areal train --nnodes K --node-rank $SLURM_PROCID` (torch's elastic agent with `--nproc-per-node`
    ranks), rendezvous on the first trainer node, the servers' addresses in its environment;
-5. on SIGTERM (`scancel`, or `--signal` before the time limit) passes it to the trainer, which saves a
-   checkpoint and stops; then stops the servers and exits with the trainer's code.
-Each step logs per node under RUN/logs/ (`trainer.NODE.log`, `MODEL-I.NODE.log`), the script itself
-to RUN/logs/slurm-JOBID.out. The run directory must be on a file system every node sees (weight updates
+5. before the time limit (`--signal=B:USR1@stop_grace_s`) sends SIGTERM to the trainer's tasks
+   (`scancel --signal=TERM JOB.STEP`: a SIGTERM to srun would kill them at once); `scancel JOB` sends
+   SIGTERM to every step itself. The trainer stops cleanly, keeping its last checkpoint and printing
+   the command that continues; then the script stops the servers and exits with the trainer's code.
+Each process logs under RUN/logs/: `trainer-R.log` (trainer node-rank R), `MODEL-I.log` (server I of
+MODEL), the script itself to `slurm-JOBID.out`. The run directory must be on a file system every node sees (weight updates
 go through it).
 """
 
@@ -70,7 +72,7 @@ def _sbatch_lines(job: SlurmJob) -> list[str]:
     for flag, value in (("partition", s.partition), ("account", s.account), ("time", s.time)):
         if value:
             lines.append(f"--{flag}={value}")
-    lines += [f"--output={logs}/slurm-%j.out", f"--signal=B:TERM@{s.stop_grace_s}", *s.sbatch_args]
+    lines += [f"--output={logs}/slurm-%j.out", f"--signal=B:USR1@{s.stop_grace_s}", *s.sbatch_args]
     return [f"#SBATCH {line}" for line in lines]
 
 
@@ -87,7 +89,7 @@ def _server_step(task: ServerTask, plan: ClusterPlan) -> list[str]:
         "--ntasks=1",
         f'--nodelist="${{NODES[{task.node}]}}"',
         "--overlap",
-        f'--output="$RUN/logs/{task.name}.%N.log"',
+        f'--output="$RUN/logs/{task.name}.log"',
     ]
     if cpus:
         flags.append(f"--cpus-per-task={max(1, cpus)}")
@@ -112,12 +114,14 @@ def render(job: SlurmJob) -> str:
     inner = " ".join(_q(w) for w in job.trainer_command)
     inner += ' --node-rank="$SLURM_PROCID" --master-addr="$0" --master-port="$1"'
     trainer_flags = [
+        "--job-name=areal-trainer",
         f"--nodes={len(p.trainer_nodes)}",
+        f"--ntasks={len(p.trainer_nodes)}",
         "--ntasks-per-node=1",
         f'--nodelist="{trainer_nodes}"',
         "--overlap",
         "--kill-on-bad-exit=1",
-        '--output="$RUN/logs/trainer.%N.log"',
+        '--output="$RUN/logs/trainer-%t.log"',  # by node-rank
     ]
     if p.cpus_per_node:
         trainer_flags.append(f"--cpus-per-task={p.cpus_per_node}")
@@ -158,7 +162,11 @@ def render(job: SlurmJob) -> str:
         f"srun {' '.join(trainer_flags)} \\",
         f'    bash -c {_q("exec " + inner)} "$MASTER_ADDR" "$MASTER_PORT" &',
         "TRAINER=$!",
-        "trap 'kill -TERM $TRAINER 2>/dev/null' TERM INT  # the trainer checkpoints and stops",
+        "# Before the time limit Slurm sends this script USR1 (sbatch --signal): SIGTERM to the trainer's",
+        "# tasks (not to srun, which would kill them at once). `scancel` sends SIGTERM to every step itself.",
+        "trainer_step() { squeue -h -s -j \"$SLURM_JOB_ID\" -o '%i %j' | awk '$2 == \"areal-trainer\" {print $1}'; }",
+        "trap 'scancel --signal=TERM \"$(trainer_step)\" 2>/dev/null' USR1",
+        "trap 'echo \"areal: SIGTERM: waiting for the trainer to stop\" >&2' TERM",
         "while :; do wait $TRAINER; CODE=$?; kill -0 $TRAINER 2>/dev/null || break; done",
         "stop_servers",
         "exit $CODE",
@@ -201,8 +209,8 @@ def follow(job_id: str, run_dir: Path, echo, poll_s: float = 1.0) -> tuple[str, 
     while True:
         state, code = job_state(job_id)
         if log is None:
-            logs = sorted((run_dir / "logs").glob("trainer.*.log"))
-            log = logs[0] if logs else None
+            first = run_dir / "logs" / "trainer-0.log"
+            log = first if first.exists() else None
         if log is not None:
             with open(log, errors="replace") as f:
                 f.seek(offset)

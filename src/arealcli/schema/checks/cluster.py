@@ -19,7 +19,7 @@ def check_cluster(g: Graph) -> list[Problem]:
     cluster = mapping_at(g.data, "cluster")
     allocation = mapping_at(cluster, "allocation")
     problems = []
-    for key in allocation:
+    for key, ids in allocation.items():
         where = ("cluster", "allocation", key)
         if key == TRAINER:
             continue
@@ -46,6 +46,14 @@ def check_cluster(g: Graph) -> list[Problem]:
                     ("models", key, "backend", "args", "cpus" if args.cpus is not None else "devices"),
                     f"model {key!r}'s servers are placed by node (cluster.allocation.{key}): they get "
                     "their nodes' CPUs and GPUs; drop `cpus` / `devices`",
+                )
+            )
+        elif isinstance(ids, list) and args.num_servers < len(ids):
+            problems.append(
+                Problem(
+                    ("models", key, "backend", "args", "num_servers"),
+                    f"{args.num_servers} server(s) for the {len(ids)} nodes of cluster.allocation.{key}: "
+                    f"set num_servers to at least {len(ids)} (one server per node or more)",
                 )
             )
     return problems

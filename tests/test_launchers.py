@@ -1,0 +1,107 @@
+"""`areal train --launcher slurm|ray`: the plan and the sbatch script (here), and real runs on a
+one-machine Slurm and a two-node local Ray cluster (slow, in test_launchers_cluster.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from arealcli.main import app
+
+REPO = Path(__file__).resolve().parents[1]
+SERVER_RECIPE = REPO / "recipes" / "quickstart-server.yaml"
+
+
+def train(*args: str):
+    return CliRunner().invoke(app, ["train", *map(str, args)], env={"COLUMNS": "200"})
+
+
+def dry_run(tmp_path: Path, *args: str) -> str:
+    result = train(SERVER_RECIPE, *args, "--dry-run", "-o", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "run").exists()  # nothing written
+    return result.output
+
+
+def script_of(output: str) -> str:
+    return output[output.index("#!/bin/bash") :]
+
+
+def test_slurm_dry_run_prints_nodes_steps_and_rendezvous(tmp_path):
+    cluster = (
+        "cluster={allocation: {actor_gen: [0], trainer: [1, 2]}, slurm: {partition: gpu, time: '2:00:00'}}"
+    )
+    out = dry_run(tmp_path, cluster, "--launcher", "slurm", "--nnodes", "3", "--nproc-per-node", "2")
+    script = script_of(out)
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --partition=gpu" in script
+    assert "#SBATCH --time=2:00:00" in script and "#SBATCH --signal=B:USR1@300" in script
+    # the plan, node by node
+    assert "#   node 0: actor_gen server 0" in script
+    assert "#   node 1: trainer node-rank 0 (2 process(es))" in script
+    assert "#   node 2: trainer node-rank 1 (2 process(es))" in script
+    # the server's own step on node 0, then the wait for its /health
+    server = next(line for line in script.splitlines() if line.startswith("srun") and "actor_gen-0" in line)
+    assert '--nodelist="${NODES[0]}"' in server and "--nodes=1" in server
+    assert "arealcli.runtime.launchers.health" in script
+    # the trainer: one step over nodes 1 and 2, two ranks each, rendezvous on node 1
+    trainer = next(line for line in script.splitlines() if line.startswith("srun") and "trainer" in line)
+    assert '--nodelist="${NODES[1]},${NODES[2]}"' in trainer and "--nodes=2" in trainer
+    assert 'MASTER_ADDR=$(node_addr "${NODES[1]}")' in script
+    assert '--nproc-per-node=2 --nnodes=2 --node-rank="$SLURM_PROCID"' in script
+    assert '--master-addr="$0" --master-port="$1"' in script
+    # valid bash, and no key in it (made in the job)
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert "AREALCLI_CLUSTER_KEY=$(" in script and "token_urlsafe" in script
+
+
+def test_slurm_dry_run_without_allocation_runs_the_trainer_on_every_node(tmp_path):
+    script = script_of(dry_run(tmp_path, "--launcher", "slurm", "--nnodes", "2"))
+    assert "srun" in script and "arealcli.runtime.launchers.health" not in script  # no server steps
+    assert '--nodelist="${NODES[0]},${NODES[1]}"' in script
+    assert "--nnodes=2" in script
+
+
+def test_ray_dry_run_says_what_runs_where(tmp_path):
+    out = dry_run(tmp_path, "cluster={allocation: {actor_gen: [0]}}", "--launcher", "ray", "--nnodes", "2")
+    assert "node 0: actor_gen server 0" in out and "node 1: trainer node-rank 0" in out
+
+
+@pytest.mark.parametrize(
+    "cluster, message",
+    [
+        ("{allocation: {actor: [0]}}", "model 'actor' has no servers to place"),
+        ("{allocation: {nobody: [0]}}", "no model named 'nobody'"),
+        ("{nodes: 2, allocation: {actor_gen: [2]}}", "node 2 does not exist in a 2-node job"),
+        ("{allocation: {actor_gen: [0, 0]}}", "named twice"),
+        ("{allocation: {actor_gen: [0, 1]}}", "1 server(s) for the 2 nodes of cluster.allocation.actor_gen"),
+    ],
+)
+def test_bad_allocations_are_recipe_errors(tmp_path, cluster, message):
+    result = CliRunner().invoke(app, ["check", str(SERVER_RECIPE), f"cluster={cluster}"])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_nodes_that_do_not_fit(tmp_path):
+    result = train(SERVER_RECIPE, "cluster={nodes: 3}", "--launcher", "slurm", "--nnodes", "2", "--dry-run")
+    assert result.exit_code == 2 and "--nnodes 2 differs from the recipe's cluster.nodes: 3" in result.output
+    result = train(SERVER_RECIPE, "--launcher", "pbs", "--dry-run")
+    assert result.exit_code == 2 and "choose local, slurm or ray" in result.output
+
+
+def test_the_trainer_connects_to_servers_a_launcher_started(monkeypatch):
+    from arealcli.runtime.run.launch import CLUSTER_KEY_ENV, SERVERS_ENV, given_servers
+    from arealcli.schema.source import load_recipe_source
+    from arealcli.schema.validate import validate
+
+    recipe = validate(load_recipe_source(SERVER_RECIPE))
+    spec = recipe.models["actor_gen"].backend
+    assert given_servers("actor_gen", spec) is spec  # nothing started elsewhere: launched here
+    monkeypatch.setenv(SERVERS_ENV, json.dumps({"actor_gen": ["10.1.2.3:20001"]}))
+    args = given_servers("actor_gen", spec).args
+    assert args.launch is None and args.addresses == ["10.1.2.3:20001"]
+    assert args.api_key_env == CLUSTER_KEY_ENV
+    assert recipe.models["actor_gen"].backend.args.launch == "embedded"  # the recipe is unchanged
