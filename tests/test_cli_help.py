@@ -130,7 +130,7 @@ def test_list_sections_and_plain_defaults(cli):
     assert re.search(r"^dataflow\.calls\.N\.mb_spec\.n_mbs\s", dataflow, re.M)
     models = cli("list", "models").stdout
     assert re.search(r"^models\.NAME\.config\.hidden_size\s+int\s+\d+\s", models, re.M)
-    for section in ("recipe", "dataset", "rollout", "tokenizer", "eval_dataset"):
+    for section in ("recipe", "dataset", "rollout", "tokenizer", "eval_dataset", "cluster"):
         result = cli("list", section)
         assert result.exit_code == 0 and len(result.stdout.splitlines()) > 2, section
     everything = cli("list", "--plain").stdout

@@ -142,7 +142,7 @@ def test_slurm_scancel_stops_the_trainer_with_a_checkpoint(slurm_cluster, sft_ws
         time.sleep(0.5)
     text = log.read_text()
     assert "terminated (SIGTERM): the last complete checkpoint is kept: step " in text, text[-2000:]
-    assert "--resume --launcher=slurm" in text
+    assert f"--resume -o {run} --launcher=slurm" in text
     kept = int(text.split("the last complete checkpoint is kept: step ")[1].split(",")[0])
     assert kept % 20 == 0 and kept > 0
     resumed = areal("train", recipe, *long, f"trainer.max_steps={kept + 10}", "-o", run, "--resume",
@@ -174,14 +174,26 @@ def test_ray_grpo_with_the_server_on_its_own_node(ray_cluster, grpo_local, tmp_p
 
 def test_ray_ctrl_c_tears_everything_down(ray_cluster, tmp_path):  # noqa: F811
     run = tmp_path / "run"
-    args = [SERVER_RECIPE, SERVER_ON_NODE_0, "trainer.max_steps=2000", "-o", run, "--launcher", "ray"]
+    args = [
+        "train",
+        SERVER_RECIPE,
+        *GRPO,
+        SERVER_ON_NODE_0,
+        "trainer.max_steps=2000",
+        "-o",
+        run,
+        "--launcher",
+        "ray",
+    ]
     env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([*areal_command(), *map(str, args)], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and not (run / "metrics.jsonl").is_file():
+    while time.monotonic() < deadline and proc.poll() is None and not (run / "metrics.jsonl").is_file():
         time.sleep(0.5)
-    assert (run / "metrics.jsonl").is_file(), "the run never started"
+    if not (run / "metrics.jsonl").is_file():
+        proc.kill()
+        pytest.fail("the run never started:\n" + proc.communicate()[0][-3000:])
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=200)
     assert proc.returncode == 130, out[-3000:]

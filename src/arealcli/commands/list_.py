@@ -24,7 +24,17 @@ from arealcli.commands.common import console, fail
 from arealcli.schema.registry import ALL, RegistryError, import_plugins, suggest
 
 KINDS = ("interfaces", "backends", "datasets", "rewards", "workflows", "tools")
-SECTIONS = ("recipe", "models", "tokenizer", "dataset", "eval_dataset", "dataflow", "trainer", "rollout")
+SECTIONS = (
+    "recipe",
+    "models",
+    "tokenizer",
+    "dataset",
+    "eval_dataset",
+    "dataflow",
+    "trainer",
+    "rollout",
+    "cluster",
+)
 
 
 def type_name(annotation) -> str:
@@ -129,6 +139,7 @@ def section_rows(name: str) -> list[dict]:
     from arealcli.schema.presets import PresetSpec
     from arealcli.schema.recipe import (
         CallSpec,
+        ClusterSpec,
         DatasetSpec,
         ModelSpec,
         Recipe,
@@ -151,6 +162,7 @@ def section_rows(name: str) -> list[dict]:
         "eval_dataset": DatasetSpec,
         "trainer": TrainerSpec,
         "rollout": RolloutSpec,
+        "cluster": ClusterSpec,
     }
     return describe_args(models[name], f"{name}.", expand=True)
 
@@ -160,7 +172,8 @@ def list_(
         "all",
         metavar="WHAT",
         help="A kind (interfaces, backends, datasets, rewards, workflows, tools), a recipe section "
-        "(recipe, models, tokenizer, dataset, eval_dataset, dataflow, trainer, rollout), all, or one "
+        "(recipe, models, tokenizer, dataset, eval_dataset, dataflow, trainer, rollout, cluster), all, or "
+        "one "
         "component's name.",
     ),
     json_: bool = typer.Option(False, "--json", help="Machine-readable output.", metavar=""),

@@ -145,11 +145,18 @@ def _placement(plan: ClusterPlan):
 
 
 def run_on_ray(job: RayJob, echo: Callable[[str], None], say: Callable[[str], None]) -> int:
-    """Run the whole job; the first trainer node's exit code (130 after Ctrl-C)."""
+    """Run the whole job; the first trainer node's exit code (130 after Ctrl-C, 143 after SIGTERM)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     _connect(job.address)
+    stopped_by = [signal.SIGINT]
+
+    def on_term(sig: int, _frame: object) -> None:  # SIGTERM stops the job as Ctrl-C does (Ray's own
+        stopped_by[0] = signal.Signals(sig)  # handler, installed by ray.init, would only dump a stack)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
     plan = job.plan
     pg, bundle = _placement(plan)
     runner_cls: Any = ray.remote(NodeRunner)
@@ -170,13 +177,15 @@ def run_on_ray(job: RayJob, echo: Callable[[str], None], say: Callable[[str], No
         servers = _start_servers(job, runners, ips, key, say)
         return _run_trainer(job, runners, ips, key, servers, echo, say)
     except KeyboardInterrupt:
-        say("interrupted: stopping the trainer and the servers")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the teardown short
+        why = "interrupted" if stopped_by[0] == signal.SIGINT else "terminated"
+        say(f"{why}: stopping the trainer and the servers")
         first = plan.trainer_nodes[0]
         with contextlib.suppress(Exception):
             ray.get(runners[first].stop.remote(STOP_GRACE_S), timeout=STOP_GRACE_S + 10)
             text = ray.get(runners[first].read.remote("trainer-0", 0))[0]  # its last words: the stop message
             echo("\n".join(text.rstrip().splitlines()[-3:]) + "\n")
-        return 130
+        return 128 + stopped_by[0]
     finally:
         with contextlib.suppress(Exception):
             ray.get([r.stop.remote(STOP_GRACE_S) for r in runners], timeout=STOP_GRACE_S + 10)

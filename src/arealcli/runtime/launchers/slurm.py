@@ -14,8 +14,8 @@ The script (written to RUN/launch/slurm.sh, printed by `--dry-run`):
    SIGTERM to every step itself. The trainer stops cleanly, keeping its last checkpoint and printing
    the command that continues; then the script stops the servers and exits with the trainer's code.
 Each process logs under RUN/logs/: `trainer-R.log` (trainer node-rank R), `MODEL-I.log` (server I of
-MODEL), the script itself to `slurm-JOBID.out`. The run directory must be on a file system every node sees (weight updates
-go through it).
+MODEL), the script itself to `slurm-JOBID.out`. The run directory must be on a file system every node
+sees (weight updates go through it).
 """
 
 from __future__ import annotations
