@@ -172,19 +172,15 @@ def test_ray_grpo_with_the_server_on_its_own_node(ray_cluster, grpo_local, tmp_p
     check_grpo(run, grpo_local)
 
 
-def test_ray_ctrl_c_tears_everything_down(ray_cluster, tmp_path):  # noqa: F811
+@pytest.mark.parametrize(
+    "sig, code, said", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_ray_ctrl_c_or_sigterm_tears_everything_down(ray_cluster, tmp_path, sig, code, said):  # noqa: F811
+    """Ctrl-C (or SIGTERM) of `areal train --launcher ray`: the trainer stops and says so, and no server,
+    trainer, actor or placement group of the run is left on the cluster."""
     run = tmp_path / "run"
-    args = [
-        "train",
-        SERVER_RECIPE,
-        *GRPO,
-        SERVER_ON_NODE_0,
-        "trainer.max_steps=2000",
-        "-o",
-        run,
-        "--launcher",
-        "ray",
-    ]
+    args = ["train", SERVER_RECIPE, *GRPO, SERVER_ON_NODE_0, "trainer.max_steps=2000", "-o", run]
+    args += ["--launcher", "ray"]
     env = {**os.environ, "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([*areal_command(), *map(str, args)], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
@@ -194,10 +190,11 @@ def test_ray_ctrl_c_tears_everything_down(ray_cluster, tmp_path):  # noqa: F811
     if not (run / "metrics.jsonl").is_file():
         proc.kill()
         pytest.fail("the run never started:\n" + proc.communicate()[0][-3000:])
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=200)
-    assert proc.returncode == 130, out[-3000:]
-    assert "interrupted: stopping the trainer and the servers" in out
+    assert proc.returncode == code, out[-3000:]
+    assert f"{said}: stopping the trainer and the servers" in out
+    assert "terminated (SIGTERM): " in out  # the trainer's own last words
     no_process_left(run)
     import ray
 
