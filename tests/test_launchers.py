@@ -50,6 +50,7 @@ def test_slurm_dry_run_prints_nodes_steps_and_rendezvous(tmp_path):
     # the trainer: one step over nodes 1 and 2, two ranks each, rendezvous on node 1
     trainer = next(line for line in script.splitlines() if line.startswith("srun") and "trainer" in line)
     assert '--nodelist="${NODES[1]},${NODES[2]}"' in trainer and "--nodes=2" in trainer
+    assert "--open-mode=append" in server and "--open-mode=append" in trainer  # a resume keeps the logs
     assert 'MASTER_ADDR=$(node_addr "${NODES[1]}")' in script
     assert '--nproc-per-node=2 --nnodes=2 --node-rank="$SLURM_PROCID"' in script
     assert '--master-addr="$0" --master-port="$1"' in script

@@ -149,6 +149,10 @@ def test_slurm_scancel_stops_the_trainer_with_a_checkpoint(slurm_cluster, sft_ws
                     "--launcher", "slurm", "--wait", cwd=ws.root, timeout=600)  # fmt: skip
     assert "completed" in resumed.stdout
     assert [r["step"] for r in rows(run)][-11:] == list(range(kept, kept + 11))
+    assert (
+        "terminated (SIGTERM)" in log.read_text()
+    )  # the first job's log is kept: the resumed one follows it
+    assert "terminated (SIGTERM)" not in resumed.stdout  # --wait shows this job's output only
     no_process_left(run)
 
 
@@ -163,6 +167,13 @@ def test_ray_two_node_sft_equals_two_local_processes(ray_cluster, sft_ws):  # no
     assert (run / "logs" / "trainer-1.log").is_file()
     assert [r["sft/loss"] for r in rows(run)] == [r["sft/loss"] for r in rows(ws.root / "local")]
     assert_same_weights(weights(run, 6, "default"), weights(ws.root / "local", 6, "default"))
+    # a resume on Ray: one more step; its log follows the first run's, and only its own output is shown
+    more = areal(
+        "train", recipe, "trainer.max_steps=7", "-o", run, "--resume", "--launcher", "ray", cwd=ws.root
+    )
+    assert rows(run)[-1]["step"] == 7
+    assert "done: 6 steps" not in more.stdout
+    assert "done: 6 steps" in (run / "logs" / "trainer-0.log").read_text()
 
 
 def test_ray_grpo_with_the_server_on_its_own_node(ray_cluster, grpo_local, tmp_path):  # noqa: F811

@@ -171,9 +171,7 @@ def list_(
     what: str = typer.Argument(
         "all",
         metavar="WHAT",
-        help="A kind (interfaces, backends, datasets, rewards, workflows, tools), a recipe section "
-        "(recipe, models, tokenizer, dataset, eval_dataset, dataflow, trainer, rollout, cluster), all, or "
-        "one "
+        help=f"A kind ({', '.join(KINDS)}), a recipe section ({', '.join(SECTIONS)}), all, or one "
         "component's name.",
     ),
     json_: bool = typer.Option(False, "--json", help="Machine-readable output.", metavar=""),

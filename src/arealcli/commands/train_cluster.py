@@ -59,8 +59,10 @@ def launch_cluster(resolved, job, flags) -> None:
 
 
 def _slurm(slurm_job, flags, job) -> None:
-    from arealcli.runtime.launchers.slurm import follow, submit
+    from arealcli.runtime.launchers.slurm import follow, submit, trainer_log
 
+    log = trainer_log(job.run_dir)
+    offset = log.stat().st_size if log.exists() else 0  # a resumed run's output starts there
     try:
         job_id, script = submit(slurm_job)
     except UserError as e:
@@ -69,13 +71,12 @@ def _slurm(slurm_job, flags, job) -> None:
     say(f"submitted Slurm job {job_id}: {slurm_job.plan.nodes} node(s); script {script}")
     for line in slurm_job.plan.describe():
         say(f"  {line}")
-    say(
-        f"logs: {logs}/ (trainer-R.log by node-rank, MODEL-I.log by server, slurm-{job_id}.out); cancel: scancel {job_id}"
-    )
+    say(f"logs: {logs}/ (trainer-R.log by node-rank, MODEL-I.log by server, slurm-{job_id}.out)")
+    say(f"cancel: scancel {job_id} (the trainer stops, keeping its last checkpoint)")
     if not flags.wait:
         return
     try:
-        state, code = follow(job_id, job.run_dir, lambda text: console.out(text, end="", highlight=False))
+        state, code = follow(job_id, log, offset, lambda text: console.out(text, end="", highlight=False))
     except KeyboardInterrupt:
         say_error(f"stopped following; job {job_id} goes on (scancel {job_id} to stop it)", title="note")
         raise typer.Exit(130) from None

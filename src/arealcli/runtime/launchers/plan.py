@@ -102,14 +102,10 @@ def make_plan(recipe: Recipe, run_dir: Path, nnodes: int | None, nproc_per_node:
 
 
 def server_tasks(recipe: Recipe, model: str, nodes: list[int], run_dir: Path) -> list[ServerTask]:
-    """The servers of `model` (its backend's `num_servers`), round robin over `nodes`."""
+    """The servers of `model` (its backend's `num_servers`, at least one per node: areal check), round
+    robin over `nodes`."""
     args = recipe.models[model].backend.args
     weights = str(initial_weights_dir(run_dir, model))
-    if args.num_servers < len(nodes):
-        raise UserError(
-            f"cluster.allocation.{model}: {len(nodes)} nodes for {args.num_servers} server(s); set "
-            f"models.{model}.backend.args.num_servers to at least {len(nodes)}"
-        )
     tasks = []
     for i in range(args.num_servers):
         node, local = nodes[i % len(nodes)], i // len(nodes)

@@ -66,11 +66,13 @@ class NodeRunner:
 
         return free_port(self.ip())
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> str:
-        """Start `cmd` with `env` added; its output goes to RUN/logs/NAME.nodeI.log (returned)."""
+    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> int:
+        """Start `cmd` with `env` added; its output is appended to RUN/logs/NAME.log (a resumed run's
+        follows the first's). Returns where its output starts in that file."""
         log = self.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
+            start = out.tell()
             self.procs[name] = subprocess.Popen(
                 cmd,
                 env={**os.environ, **env},
@@ -80,7 +82,7 @@ class NodeRunner:
                 start_new_session=True,  # its own process group: stopped as a whole
             )
         self.logs[name] = log
-        return str(log)
+        return start
 
     def wait_healthy(self, address: str, name: str, timeout_s: float) -> str | None:
         from arealcli.runtime.launchers.health import wait_healthy
@@ -150,10 +152,11 @@ def run_on_ray(job: RayJob, echo: Callable[[str], None], say: Callable[[str], No
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     _connect(job.address)
-    stopped_by = [signal.SIGINT]
+    stopped_by = signal.SIGINT
 
     def on_term(sig: int, _frame: object) -> None:  # SIGTERM stops the job as Ctrl-C does (Ray's own
-        stopped_by[0] = signal.Signals(sig)  # handler, installed by ray.init, would only dump a stack)
+        nonlocal stopped_by  # handler, installed by ray.init, would only dump a stack)
+        stopped_by = signal.SIGTERM
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
@@ -178,14 +181,14 @@ def run_on_ray(job: RayJob, echo: Callable[[str], None], say: Callable[[str], No
         return _run_trainer(job, runners, ips, key, servers, echo, say)
     except KeyboardInterrupt:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the teardown short
-        why = "interrupted" if stopped_by[0] == signal.SIGINT else "terminated"
+        why = "interrupted" if stopped_by == signal.SIGINT else "terminated"
         say(f"{why}: stopping the trainer and the servers")
         first = plan.trainer_nodes[0]
         with contextlib.suppress(Exception):
             ray.get(runners[first].stop.remote(STOP_GRACE_S), timeout=STOP_GRACE_S + 10)
             text = ray.get(runners[first].read.remote("trainer-0", 0))[0]  # its last words: the stop message
             echo("\n".join(text.rstrip().splitlines()[-3:]) + "\n")
-        return 128 + stopped_by[0]
+        return 128 + stopped_by
     finally:
         with contextlib.suppress(Exception):
             ray.get([r.stop.remote(STOP_GRACE_S) for r in runners], timeout=STOP_GRACE_S + 10)
@@ -228,28 +231,28 @@ def _run_trainer(job: RayJob, runners, ips, key, servers, echo, say) -> int:
     env = {PREPARED_ENV: "1", RESUME_FLAGS_ENV: job.resume_flags, CLUSTER_KEY_ENV: key}
     if servers:
         env[SERVERS_ENV] = json.dumps(servers)
+    offsets: dict[int, int] = {}  # by node-rank: where this run's output starts in its log
     for rank, node in enumerate(plan.trainer_nodes):
         cmd = [*job.trainer_command, f"--node-rank={rank}", f"--master-addr={ips[first]}"]
-        ray.get(runners[node].start.remote(f"trainer-{rank}", [*cmd, f"--master-port={master_port}"], env))
-    offsets = dict.fromkeys(plan.trainer_nodes, 0)
-    codes: dict[int, int | None] = dict.fromkeys(plan.trainer_nodes)
+        start = runners[node].start.remote(f"trainer-{rank}", [*cmd, f"--master-port={master_port}"], env)
+        offsets[rank] = ray.get(start)
+    codes: dict[int, int | None] = dict.fromkeys(offsets)
     while True:
         for rank, node in enumerate(plan.trainer_nodes):
-            if codes[node] is not None:
-                continue
-            read = runners[node].read.remote(f"trainer-{rank}", offsets[node])
-            text, offsets[node], codes[node] = ray.get(read)
-            if node == first and text:
-                echo(text)
-        if codes[first] is not None or any(c not in (None, 0) for c in codes.values()):
+            if codes[rank] is None:
+                read = runners[node].read.remote(f"trainer-{rank}", offsets[rank])
+                text, offsets[rank], codes[rank] = ray.get(read)
+                if rank == 0 and text:
+                    echo(text)
+        if codes[0] is not None or any(c not in (None, 0) for c in codes.values()):
             break
         time.sleep(0.5)
-    failed = [(n, c) for n, c in codes.items() if c not in (None, 0)]
-    if codes[first] is None and failed:
-        node, code = failed[0]
+    failed = [(rank, c) for rank, c in codes.items() if c not in (None, 0)]
+    if codes[0] is None and failed:
+        rank, code = failed[0]
         say(
-            f"the trainer on node {node} failed (exit code {code}); its log: "
-            f"{job.run_dir}/logs/trainer-{plan.trainer_nodes.index(node)}.log"
+            f"the trainer on node {plan.trainer_nodes[rank]} failed (exit code {code}); its log: "
+            f"{job.run_dir}/logs/trainer-{rank}.log"
         )
         return code or 1
-    return codes[first] or 0
+    return codes[0] or 0

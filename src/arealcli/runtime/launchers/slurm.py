@@ -90,6 +90,7 @@ def _server_step(task: ServerTask, plan: ClusterPlan) -> list[str]:
         f'--nodelist="${{NODES[{task.node}]}}"',
         "--overlap",
         f'--output="$RUN/logs/{task.name}.log"',
+        "--open-mode=append",  # a resumed run's log follows the first's
     ]
     if cpus:
         flags.append(f"--cpus-per-task={max(1, cpus)}")
@@ -122,6 +123,7 @@ def render(job: SlurmJob) -> str:
         "--overlap",
         "--kill-on-bad-exit=1",
         '--output="$RUN/logs/trainer-%t.log"',  # by node-rank
+        "--open-mode=append",
     ]
     if p.cpus_per_node:
         trainer_flags.append(f"--cpus-per-task={p.cpus_per_node}")
@@ -203,15 +205,16 @@ def job_state(job_id: str) -> tuple[str, int | None]:
     return state, int(code) if code.isdigit() else 1
 
 
-def follow(job_id: str, run_dir: Path, echo, poll_s: float = 1.0) -> tuple[str, int]:
-    """Print the first trainer node's log as it grows until the job ends; (state, exit code)."""
-    offset, log = 0, None
+def trainer_log(run_dir: Path) -> Path:
+    """The log of trainer node-rank 0 (every job of the run appends to it)."""
+    return run_dir / "logs" / "trainer-0.log"
+
+
+def follow(job_id: str, log: Path, offset: int, echo, poll_s: float = 1.0) -> tuple[str, int]:
+    """Print `log` from `offset` on as it grows, until the job ends; (state, exit code)."""
     while True:
         state, code = job_state(job_id)
-        if log is None:
-            first = run_dir / "logs" / "trainer-0.log"
-            log = first if first.exists() else None
-        if log is not None:
+        if log.exists():
             with open(log, errors="replace") as f:
                 f.seek(offset)
                 text = f.read()
