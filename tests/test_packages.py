@@ -48,3 +48,36 @@ def test_launched_servers_need_their_package_in_their_interpreter(ws, cli):
 def test_installed_in_asks_the_interpreter_itself():
     assert packages.installed_in(sys.executable, "yaml") is None
     assert "has no no_such_module_x package" in packages.installed_in(sys.executable, "no_such_module_x")
+
+
+def test_checkpoint_state_is_not_loaded_with_an_unsafe_torch(tmp_path, monkeypatch):
+    """Before torch 2.10 the weights_only loader is not safe: no checkpoint state is loaded at all."""
+    import pytest
+    import torch
+
+    from arealcli.errors import UserError
+    from arealcli.runtime.models.weights import load_plain
+
+    path = tmp_path / "state.pt"
+    torch.save({"step": 3}, path)
+    assert load_plain(path) == {"step": 3}
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")  # as if an old torch were installed
+    with pytest.raises(UserError, match=r"torch 2\.5\.1\+cpu: its weights_only loader is not safe before 2\.10"):
+        load_plain(path)
+
+
+def test_datasets_before_4_is_refused(ws, monkeypatch):
+    """datasets < 4 runs code shipped with a dataset (loading scripts): refused with the fix."""
+    import datasets
+    import pytest
+
+    from arealcli.runtime.data.datasets import DataError, _load_dataset
+
+    data = ws.text("rows.json", '[{"prompt": "a", "answer": "b"}]')
+    monkeypatch.setattr(datasets, "__version__", "3.6.0")
+
+    class Args:
+        split, subset, limit = "train", None, None
+
+    with pytest.raises(DataError, match=r"needs datasets >= 4 \(found 3\.6\.0"):
+        _load_dataset(str(data), data, Args)

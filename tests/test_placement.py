@@ -72,8 +72,8 @@ def test_plan_without_placement_says_any_core(cli):
     assert result.exit_code == 0, result.output
     out = " ".join(result.stdout.split())
     assert (
-        "actor (hf): the training process, cpus any, devices default; torch threads follow the free cores"
-        in out
+        "actor (hf): the training process, cpus any, devices default; torch threads: the cores it may use, "
+        "fixed for the run, waiting passively (OMP_WAIT_POLICY)" in out
     )
 
 

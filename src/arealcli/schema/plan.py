@@ -91,6 +91,20 @@ def plan_problems(recipe: Recipe) -> list[tuple[Path_, str]]:
     return out
 
 
+def threads_word(threads: int | str) -> str:
+    """How the training process's torch threads are set (`trainer.threads`), and how they wait."""
+    import os
+
+    count = {
+        "auto": "torch threads: the cores it may use, fixed for the run",
+        "adaptive": "torch threads follow the free cores",
+    }.get(str(threads), f"{threads} torch thread(s)")
+    if os.environ.get("OMP_NUM_THREADS"):
+        count = f"{os.environ['OMP_NUM_THREADS']} torch thread(s) (OMP_NUM_THREADS)"
+    policy = os.environ.get("OMP_WAIT_POLICY", "PASSIVE").lower()
+    return f"{count}, waiting {policy}ly (OMP_WAIT_POLICY)"
+
+
 def placement_lines(recipe: Recipe) -> list[str]:
     """Where each model computes: its scope (the training process, a thread of it, launched servers),
     its cores and GPUs; then which models compute at the same time."""
@@ -109,7 +123,7 @@ def placement_lines(recipe: Recipe) -> list[str]:
         cpus, devices = getattr(args, "cpus", None), getattr(args, "devices", None)
         where = f"cpus {ids(cpus, 'any')}, devices {ids(devices, 'default')}"
         if scope == "process":
-            threads = f"{len(cpus)} torch thread(s)" if cpus else "torch threads follow the free cores"
+            threads = f"{len(cpus)} torch thread(s)" if cpus else threads_word(recipe.trainer.threads)
             lines.append(f"{name} ({kind}): the training process, {where}; {threads}")
         elif scope == "thread":
             n = args.generation_threads()

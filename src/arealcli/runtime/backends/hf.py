@@ -22,6 +22,7 @@ from arealcli.runtime.engines.train import TrainEngine, average_gradients, clip_
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.models.lora import ADAPTER_DIR, is_lora, with_lora
 from arealcli.runtime.models.model import DTYPES, FinetuneSpec, Model
+from arealcli.runtime.models.weights import load_plain
 from arealcli.runtime.optim import begin_step, build_optimizer, require_optimizer
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, OptimizerConfig
@@ -190,7 +191,7 @@ class HFEngine(TrainEngine):
                 raise RuntimeError(f"adapters in {load_dir} do not fit the model: {unexpected[:5]}")
         path = os.path.join(load_dir, "engine_state.pt")
         if self.optimizer is not None and os.path.exists(path):
-            state = torch.load(path, map_location=self.device, weights_only=True)
+            state = load_plain(path, map_location=self.device)
             self.optimizer.load_state_dict(state["optimizer"])
 
     def update_weights(self, path: str, version: int) -> None:

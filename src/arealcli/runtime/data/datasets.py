@@ -107,6 +107,11 @@ def _load_dataset(source: str, path: Path | None, args) -> Any:
         import datasets
     except ImportError:
         raise DataError(f"reading {source} needs the `datasets` package: pip install datasets") from None
+    if int(datasets.__version__.split(".")[0]) < 4:  # before 4, load_dataset could run a dataset's script
+        raise DataError(
+            f"reading {source} needs datasets >= 4 (found {datasets.__version__}, whose load_dataset runs "
+            "code shipped with a dataset): pip install -U 'datasets>=4'"
+        )
     datasets.disable_progress_bars()
     try:
         if path is not None and path.is_file():

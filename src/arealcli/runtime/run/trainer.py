@@ -30,7 +30,7 @@ from arealcli.runtime.data.datasets import Batches
 from arealcli.runtime.data.tokenizer import load_tokenizer
 from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.models.model import FinetuneSpec, Model, ModelSource, base_model_view, build_module
-from arealcli.runtime.models.weights import load_hf_weights
+from arealcli.runtime.models.weights import load_hf_weights, load_plain
 from arealcli.runtime.registry import make_backend, make_dataset, make_interface
 from arealcli.runtime.run import checkpoint as ckpt
 from arealcli.runtime.run.dataflow import Call, run_calls
@@ -243,7 +243,7 @@ class Trainer:
         """Step counters, model versions, interface state (KL controllers) and every rank's RNG."""
         with ckpt.reading(resume_from / "trainer_state.pt"):
             # tensors and plain data only: a crafted file cannot construct objects (run code) here
-            state = torch.load(resume_from / "trainer_state.pt", weights_only=True)
+            state = load_plain(resume_from / "trainer_state.pt")
         self.global_step = state["global_step"]
         for name, version in state["versions"].items():
             self.models[name].version.__dict__.update(version)

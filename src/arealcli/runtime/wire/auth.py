@@ -24,3 +24,33 @@ def bearer(key: str | None) -> dict[str, str]:
 def key_of(header: str | None) -> str | None:
     """The key an Authorization header carries, or None."""
     return header[len("Bearer ") :] if header is not None and header.startswith("Bearer ") else None
+
+
+# A launched server proves it holds the run's key before the launcher sends that key anywhere: the
+# launcher asks `GET /health` with a fresh nonce in CHALLENGE_HEADER (no key), and the server answers
+# with proof(key, nonce) in PROOF_HEADER. A process squatting the port does not know the key, so it
+# cannot answer, and the key is never sent to it.
+CHALLENGE_HEADER = "X-Areal-Challenge"
+PROOF_HEADER = "X-Areal-Proof"
+
+
+def fresh_nonce() -> str:
+    """A new random challenge (128 bits)."""
+    import secrets
+
+    return secrets.token_hex(16)
+
+
+def proof(key: str, nonce: str) -> str:
+    """HMAC-SHA256 of `nonce` under `key`, hex: what a server that holds `key` answers to `nonce`."""
+    import hashlib
+    import hmac
+
+    return hmac.new(key.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+
+
+def proves(key: str, nonce: str, answer: str | None) -> bool:
+    """Whether `answer` is the proof of `key` for `nonce` (constant-time)."""
+    import hmac
+
+    return answer is not None and hmac.compare_digest(answer.encode(), proof(key, nonce).encode())

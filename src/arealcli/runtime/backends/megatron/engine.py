@@ -36,6 +36,7 @@ from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.lm_output import LMOutput, as_lm_output
 from arealcli.runtime.engines.train import TrainEngine
 from arealcli.runtime.generation import sampling as generation
+from arealcli.runtime.models.weights import load_plain
 from arealcli.runtime.optim import begin_step, require_optimizer
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
 
@@ -353,7 +354,7 @@ class MegatronEngine(TrainEngine):
         if self.optimizer is None or not os.path.exists(path):
             return
         # tensors and plain data only (a crafted file cannot construct objects here)
-        state = torch.load(path, map_location=self.device, weights_only=True)
+        state = load_plain(path, map_location=self.device)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.distributed_optimizer:
             self.optimizer.load_parameter_state(self._optimizer_file(load_dir, "param_state"))
