@@ -62,7 +62,9 @@ def test_checkpoint_state_is_not_loaded_with_an_unsafe_torch(tmp_path, monkeypat
     torch.save({"step": 3}, path)
     assert load_plain(path) == {"step": 3}
     monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")  # as if an old torch were installed
-    with pytest.raises(UserError, match=r"torch 2\.5\.1\+cpu: its weights_only loader is not safe before 2\.10"):
+    with pytest.raises(
+        UserError, match=r"torch 2\.5\.1\+cpu: its weights_only loader is not safe before 2\.10"
+    ):
         load_plain(path)
 
 
