@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from arealcli.runtime.models import flops
+
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size")  # fmt: skip
 SHAPES = {"0.5b": (896, 24, 14, 2, 4864, 151936), "tiny": (64, 2, 4, 2, 128, 1000)}
@@ -46,8 +48,9 @@ BACKENDS = ("plain", "plain-amp", "hf-padded", "hf", "fsdp", "megatron")
 # With bf16 compute (fp32: fp32 everywhere); the others keep fp32 weights and compute under bf16 autocast.
 PRECISION = {"plain": "bf16", "fsdp": "fp32 + bf16 FSDP mp", "megatron": "bf16 + fp32 master"}
 FLOPS_FORMULA = (
-    "FLOPs/step = 6 * N_params * tokens + 12 * layers * hidden * sum_i(len_i^2)  (forward + backward; "
-    "attention not halved for causality, as PaLM's MFU counts it; real tokens only)"
+    "FLOPs/step = 6 * N * tokens + 12 * layers * hidden * sum_i(len_i^2)  (N: matmul weights; forward + "
+    "backward; attention not halved for causality, as PaLM's MFU counts it; real tokens only); %peak: "
+    "achieved / the measured matmul peak"
 )
 
 
@@ -95,11 +98,6 @@ def make_cases(vocab: int, batch: int, seq_len: int, seed: int) -> dict[str, lis
     varlen = [rng.randint(seq_len // 8, seq_len) for _ in range(2 * batch)]
     lens = {"fixed": [seq_len] * batch, "varlen": varlen}
     return {k: [torch.randint(0, vocab, (n,), generator=gen) for n in v] for k, v in lens.items()}
-
-
-def step_flops(n_params: int, cfg, lens: list[int]) -> float:
-    # 6N per token (forward 2N, backward 4N) + per sequence 12 * layers * hidden * L^2 (QK^T and AV).
-    return 6 * n_params * sum(lens) + 12 * cfg.num_hidden_layers * cfg.hidden_size * sum(n * n for n in lens)
 
 
 class PlainRunner:
@@ -285,7 +283,13 @@ def main() -> None:
     world = init_distributed(device, need=bool({"fsdp", "megatron"} & set(backends)))
     say = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
     cfg = hf_config(args.shape, args.seq_len)
-    n_params = sum(p.numel() for p in build_hf(cfg, "meta", 0).parameters())  # the tied matrix once
+    shape = flops.shape_of(build_hf(cfg, "meta", 0))  # N: the matmul weights (the tied matrix once)
+    n_params = shape.params
+    # the peak of one device (GPU) or of this rank's cores (CPU), in the precision the matmuls run in
+    peak_dtype = (
+        torch.bfloat16 if cuda or flops.has_native_bf16() and dtype == torch.bfloat16 else torch.float32
+    )
+    peak = flops.matmul_peak(peak_dtype, 8192 if cuda else 1024, 1.0, str(device)) * world
     cases = make_cases(cfg.vocab_size, args.batch, args.seq_len, args.seed)
 
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -295,6 +299,7 @@ def main() -> None:
     for case, seqs in cases.items():
         n = [s.numel() for s in seqs]
         say(f"case {case}: {len(n)} sequences/rank, {sum(n)} real tokens/rank, lengths {min(n)}..{max(n)}")
+    say(f"matmul peak, measured: {peak / 1e12:.3g} TFLOP/s ({str(peak_dtype)[6:]}, {world} x {name})")
     say(f"{FLOPS_FORMULA}\n{args.warmup} warm-up + {args.steps} timed steps per case; AdamW 1e-5, clip 1\n")
 
     rows = []
@@ -311,7 +316,7 @@ def main() -> None:
             loss0, dt, best, mem = measure(step, args.warmup, args.steps, cuda)
             lens = [s.numel() for s in seqs]
             prec = "fp32" if dtype == torch.float32 else PRECISION.get(name, "fp32 + bf16 autocast")
-            tflops = step_flops(n_params, cfg, lens) * world / dt / 1e12
+            tflops = flops.train_flops(shape, lens) * world / dt / 1e12
             pad = 1 - sum(lens) / runner.padded_positions(seqs, case)
             rows.append(
                 (case, name, prec, sum(lens) * world / dt, tflops, dt * 1e3, best * 1e3, pad, mem, loss0)
@@ -324,7 +329,7 @@ def main() -> None:
 
     base = {r[0]: (r[3], r[6]) for r in rows if r[1] == "plain"}
     head = f"{'case':<7}{'backend':<10}{'precision':<21}{'tokens/s':>10}{'TFLOP/s':>9}{'step ms':>9}{'best ms':>9}"
-    head += f"{'pad%':>6}{'peak GiB':>9}{'vs plain':>9}{'best vs':>8}{'loss0':>8}"
+    head += f"{'%peak':>6}{'pad%':>6}{'peak GiB':>9}{'vs plain':>9}{'best vs':>8}{'loss0':>8}"
     say(head + "\n" + "-" * len(head))
     rows.sort(key=lambda r: list(cases).index(r[0]))  # grouped by case, backends in run order
     for case, name, prec, tok_s, tflops, ms, best_ms, pad, mem, loss0 in rows:
@@ -332,7 +337,8 @@ def main() -> None:
         ratio = f"{tok_s / base[case][0]:.2f}" if case in base else "-"
         best_ratio = f"{base[case][1] / best_ms:.2f}" if case in base else "-"
         line = f"{case:<7}{name:<10}{prec:<21}{tok_s:>10,.0f}{tflops:>9.2f}{ms:>9.1f}{best_ms:>9.1f}"
-        say(f"{line}{100 * pad:>6.0f}{mem:>9}{ratio:>9}{best_ratio:>8}{loss0:>8.4f}")
+        share = 100 * tflops * 1e12 / peak
+        say(f"{line}{share:>6.1f}{100 * pad:>6.0f}{mem:>9}{ratio:>9}{best_ratio:>8}{loss0:>8.4f}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -32,6 +32,7 @@ from arealcli.runtime.engines.inference import (
 )
 from arealcli.runtime.generation.model_runner import ModelRunner
 from arealcli.runtime.generation.scheduler import Scheduler, Sequence
+from arealcli.runtime.models.flops import FlopShape, shape_of
 from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.models.weights import WeightsInMemory
 from arealcli.runtime.wire.sglang import Completion, ProtocolError, parse_sampling
@@ -166,6 +167,9 @@ class LocalEngine(InferenceEngine):
         ok, message = await asyncio.to_thread(self.scheduler.update_weights, path, str(version), True)  # type: ignore[arg-type]
         if not ok:
             raise GenerationServerError(message)
+
+    def flop_shape(self) -> FlopShape | None:
+        return shape_of(self.scheduler.runner.module)
 
     def update_weights_in_memory(self, weights: WeightsInMemory, version: int) -> None:
         self.loop.run(self._update_weights(weights, version))

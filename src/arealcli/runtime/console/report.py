@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 # panel title -> which metric keys go there: a suffix after the last "/" ("reward"), a whole key
@@ -73,11 +74,15 @@ def _panels(runs: list[tuple[Path, list[dict]]]) -> list[tuple[str, list[str]]]:
 
 
 def summary_lines(
-    run_dir: Path, elapsed_s: float | None = None, session_steps: int | None = None
+    run_dir: Path,
+    elapsed_s: float | None = None,
+    session_steps: int | None = None,
+    peaks: Callable[[], dict[str, float]] | None = None,
 ) -> list[tuple[str, str]]:
     """(label, text) lines: this session's time, held-out scores (final and best), reward trend, speed,
-    checkpoint, report. `elapsed_s` and `session_steps` are what this process trained (a resumed run
-    counts only its own steps; the run total follows)."""
+    compute, checkpoint, report. `elapsed_s` and `session_steps` are what this process trained (a
+    resumed run counts only its own steps; the run total follows). `peaks()` measures the cores' matmul
+    peak ({"fp32": FLOP/s, ...}): given, the compute line says the share of it the run achieved."""
     from arealcli.runtime.console.text import clock
 
     rows = read_metrics(run_dir)
@@ -122,12 +127,46 @@ def summary_lines(
                 f"{sum(v for _, v in gen) / sum(t for t, _ in gen):.0f} tokens/s per rank (RL steps)",
             )
         )
+    out += compute_lines(rows, peaks)
     latest = Path(run_dir) / "checkpoints" / "LATEST"
     if latest.exists():
         ckpt = Path(run_dir) / "checkpoints" / latest.read_text().strip()
         out.append(("checkpoint", f"{ckpt}  (each model folder loads with from_pretrained)"))
     if (Path(run_dir) / "report.png").exists():
         out.append(("report", str(Path(run_dir) / "report.png")))
+    return out
+
+
+def compute_lines(rows: list[dict], peaks: Callable[[], dict[str, float]] | None) -> list[tuple[str, str]]:
+    """Achieved model FLOP/s (`perf/<call>_gflop` over `timing/<call>_s`) of the whole steps and of each
+    call that computed in the training process, and their share of the measured matmul peak."""
+    calls = sorted({k[5:-6] for r in rows for k in r if k.startswith("perf/") and k.endswith("_gflop")})
+    if not calls:
+        return []
+    peak = peaks() if peaks is not None else {}
+
+    def rate(gflop: float, seconds: float) -> str:
+        share = f" = {100 * gflop * 1e9 / seconds / peak['fp32']:.1f}% of peak" if "fp32" in peak else ""
+        return f"{gflop / seconds:.3g} GFLOP/s{share}"
+
+    def total(key: str, time_key: str) -> tuple[float, float]:
+        both = [(r[key], r[time_key]) for r in rows if key in r and r.get(time_key)]
+        return sum(g for g, _ in both), sum(t for _, t in both)
+
+    per_call = []
+    for name in calls:
+        gflop, seconds = total(f"perf/{name}_gflop", f"timing/{name}_s")
+        if seconds > 0:
+            per_call.append(f"{name} {rate(gflop, seconds)}")
+    steps = [r for r in rows if r.get("timing/step_s") and any(f"perf/{c}_gflop" in r for c in calls)]
+    gflop = sum(r.get(f"perf/{c}_gflop", 0.0) for r in steps for c in calls)
+    seconds = sum(r["timing/step_s"] for r in steps)
+    out = [("compute", f"whole steps {rate(gflop, seconds)}; " + ", ".join(per_call))] if seconds else []
+    if peak:
+        measured = ", ".join(f"{k} {v / 1e9:.3g} GFLOP/s" for k, v in peak.items())
+        out.append(
+            ("peak", f"matmul on these cores, measured after the run: {measured} (model FLOPs vs fp32)")
+        )
     return out
 
 

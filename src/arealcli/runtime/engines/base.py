@@ -42,6 +42,11 @@ class Engine:
         """(trained, total) parameters held in this process, or None (weights elsewhere: a server)."""
         return None
 
+    def flop_shape(self) -> Any:
+        """The `models.flops.FlopShape` of the model this process computes with, or None (weights
+        elsewhere, or a module whose shape is unknown): what its FLOPs are counted from."""
+        return None
+
     def adapters_off(self) -> contextlib.AbstractContextManager[Any]:
         """Within it, the engine runs its base weights (LoRA adapters switched off)."""
         raise NotImplementedError(f"{type(self).__name__} has no adapters to switch off")

@@ -42,6 +42,7 @@ from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.engines.lm_output import LMOutput, outputs_for
 from arealcli.runtime.generation.sampling import GenerationResult, StopTexts, stop_texts_of
+from arealcli.runtime.models.flops import FlopShape, shape_of
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
 # loss_fn(outputs, mb) -> (scalar loss, {stat: scalar tensor}); outputs are packed logits (tokens, vocab),
@@ -126,6 +127,9 @@ class TrainEngine(Engine):
         if module is None or not hasattr(module, "disable_adapter"):
             return super().adapters_off()
         return module.disable_adapter()  # peft's context manager
+
+    def flop_shape(self) -> FlopShape | None:
+        return shape_of(self._torch_module())
 
     def parameter_counts(self) -> tuple[int, int] | None:
         module = self._torch_module()

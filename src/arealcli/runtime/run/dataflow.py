@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
+from arealcli.runtime.models import flops
 from arealcli.runtime.models.model import Model
 from arealcli.schema.recipe import CallSpec
 
@@ -83,4 +84,23 @@ def run_calls(calls: list[Call], batch: SequenceSample, step: int) -> tuple[Sequ
             batch.update_(result.select(spec.outputs))
             stats.update({f"{spec.name}/{k}": float(v) for k, v in getattr(result, "stats", {}).items()})
         stats[f"timing/{spec.name}_s"] = time.perf_counter() - t0
+        gflop = call_gflop(call, batch if spec.type != "train_step" else batch.select(spec.inputs))
+        if gflop is not None:
+            stats[f"perf/{spec.name}_gflop"] = gflop
     return batch, stats
+
+
+def call_gflop(call: Call, data: SequenceSample) -> float | None:
+    """Model GFLOPs this process computed in `call` (models/flops.py): training counts forward and
+    backward over its sequences (times the passes over the batch, PPO's sample_reuse), inference and
+    generation one forward pass over every sequence (a generated sample: prompt + response). None when the model computes elsewhere (a server) or its
+    shape is unknown."""
+    shape_fn = getattr(call.model.module, "flop_shape", None) if call.model is not None else None
+    shape = shape_fn() if shape_fn is not None else None
+    lens = data.seqlens.get("packed_input_ids")
+    if shape is None or not lens:
+        return None
+    if call.spec.type != "train_step":
+        return flops.forward_flops(shape, lens) / 1e9
+    passes = getattr(getattr(call.interface, "args", None), "sample_reuse", 1)  # PPO epochs
+    return passes * flops.train_flops(shape, lens) / 1e9
