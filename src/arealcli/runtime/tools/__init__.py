@@ -5,7 +5,8 @@ Built in:
                  with limits on the size of powers and results.
     python       runs the argument as a Python program in a subprocess and returns what it printed: a
                  new session, no network (its own network namespace), an unprivileged user when started
-                 as root, and limits on wall time, CPU time, memory, processes, open files and file size.
+                 as root, limits on wall time, CPU time, memory, processes, open files and file size, and
+                 (Landlock, seccomp) writes only in a fresh temporary folder; see `sandbox.py`.
                  Off unless a workflow enables it (`allow_python: true`); `areal check` refuses it otherwise.
 
 Register your own with `register_tool(name, fn)` (from a module listed in the recipe's `imports:`).
@@ -14,18 +15,13 @@ Register your own with `register_tool(name, fn)` (from a module listed in the re
 from __future__ import annotations
 
 import ast
-import ctypes
 import inspect
 import math
 import operator
-import os
-import resource
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
+from arealcli.runtime.tools.sandbox import SandboxError, run_confined
 from arealcli.schema.base import NoArgs
 from arealcli.schema.registry import TOOLS, Entry
 
@@ -109,93 +105,19 @@ def _evaluate(node: ast.AST) -> int | float:
 
 # ------------------------------------------------------------------ python executor
 
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-NOBODY = 65534
-
-
-def _sandbox(memory_bytes: int, cpu_s: int) -> None:  # runs in the child, before exec
-    os.setsid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    root = os.geteuid() == 0
-    if libc.unshare(CLONE_NEWNET if root else CLONE_NEWUSER | CLONE_NEWNET) != 0:
-        os._exit(97)  # no network isolation here: refuse to run the code
-    limits = {
-        resource.RLIMIT_AS: memory_bytes,
-        resource.RLIMIT_CPU: cpu_s,
-        resource.RLIMIT_NPROC: 32,
-        resource.RLIMIT_NOFILE: 64,
-        resource.RLIMIT_FSIZE: 1 << 20,
-        resource.RLIMIT_CORE: 0,
-    }
-    for kind, value in limits.items():
-        resource.setrlimit(kind, (value, value))
-    if root:  # process limits bind an unprivileged user only
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-
-
-def _world_runnable(path: str) -> bool:
-    """Can an unprivileged user run `path` (every folder on the way searchable, the file executable)?"""
-    real = os.path.realpath(path)
-    parts = real.split(os.sep)
-    folders = [os.sep.join(parts[:i]) or os.sep for i in range(1, len(parts))]
-    return all(os.stat(f).st_mode & 0o001 for f in folders) and bool(os.stat(real).st_mode & 0o001)
-
-
-def _interpreter() -> str:
-    """This Python, or (started as root, which the sandbox leaves) one the `nobody` user can run."""
-    if os.geteuid() != 0:
-        return sys.executable
-    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.path.exists(candidate) and _world_runnable(candidate):
-            return candidate
-    raise ToolError("python: no Python interpreter an unprivileged user can run (the sandbox drops root)")
-
 
 def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 256, max_output_chars: int = 2000) -> str:
-    """Run `code` with `python -I` in the sandbox; its stdout (and the last line of an error)."""
+    """Run `code` with `python -I` in the sandbox (`sandbox.py`); its stdout (and the last line of an
+    error)."""
     try:
-        proc = subprocess.Popen(
-            [_interpreter(), "-I", "-c", code],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd="/tmp",
-            env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
-            preexec_fn=lambda: _sandbox(memory_mb << 20, max(1, math.ceil(timeout_s))),
-        )
-    except OSError as e:
-        raise ToolError(f"python: cannot start ({e.strerror})") from None
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        raise ToolError(f"python: no result within {timeout_s:g} s") from None
-    finally:
-        _kill_group(proc)  # whatever it started dies with it
-    if proc.returncode == 97:
-        raise ToolError("python: the network cannot be isolated on this machine, so code is not run")
-    if proc.returncode != 0:
-        last = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):  # the CPU-time limit (soft, then hard)
-            last = [f"no result within {timeout_s:g} s (its CPU time limit)"]
-        elif proc.returncode < 0:
-            last = [f"killed by {signal.Signals(-proc.returncode).name}"]
-        raise ToolError(f"python: {last[0][:300]}")
-    return out.decode(errors="replace")[:max_output_chars].rstrip()
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
+        return run_confined(code, timeout_s, memory_mb, max_output_chars)
+    except SandboxError as e:
+        raise ToolError(f"python: {e}") from None
 
 
 def python_tool(code: str) -> str:
-    """Run a Python program in a sandbox (no network, time and memory limits); what it prints."""
+    """Run a Python program in a sandbox (no network, writes only its temporary folder, time and memory
+    limits); what it prints."""
     return run_python(code)
 
 
