@@ -8,6 +8,11 @@
     register_dataset, register_reward      data and reward functions
     register_tool, ToolError               a tool an episode can call: fn(text) -> text
     register_workflow, Episode             an episode workflow: run(engine, tokenizer, prompts, gconfig)
+    register_policy_loss                   a policy loss: fn(logp, old_logp, advantages, mask, args,
+                                           prox_logp=None) -> (loss, stats); `policy_loss: NAME`
+    register_advantage                     an advantage estimator: fn(scores, advantages, mask,
+                                           group_ids, args) -> (B, T); `adv_norm: NAME`
+    register_kl_estimator                  a per-token KL estimator: fn(logp, ref_logp); `kl_estimator`
     make_interface, make_backend           build one from a `{type_, args}` spec
     SequenceSample, MicroBatchSpec, Model  the data protocol, micro-batch split, a model of the run
 """
@@ -31,7 +36,12 @@ from arealcli.runtime.registry import (
 from arealcli.runtime.tools import ToolError, register_tool
 from arealcli.schema.base import ModelBackendAbstraction, ModelInterfaceAbstraction
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
-from arealcli.schema.registry import register_workflow
+from arealcli.schema.registry import (
+    register_advantage,
+    register_kl_estimator,
+    register_policy_loss,
+    register_workflow,
+)
 
 PipelinableEngine = TrainEngine  # the original design's name for a training engine
 
@@ -53,9 +63,12 @@ __all__ = [
     "make_backend",
     "make_dataset",
     "make_interface",
+    "register_advantage",
     "register_backend",
     "register_dataset",
     "register_interface",
+    "register_kl_estimator",
+    "register_policy_loss",
     "register_reward",
     "register_tool",
     "register_workflow",

@@ -30,7 +30,18 @@ from arealcli.schema.components.interfaces import (
     SFTArgs,
 )
 from arealcli.schema.components.workflows import FunctionCallingArgs, ToolUseArgs
-from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, REWARDS, TOOLS, WORKFLOWS, Entry
+from arealcli.schema.registry import (
+    ADVANTAGES,
+    BACKENDS,
+    DATASETS,
+    INTERFACES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    REWARDS,
+    TOOLS,
+    WORKFLOWS,
+    Entry,
+)
 
 _R = "arealcli.runtime"
 
@@ -124,6 +135,36 @@ for _name, _fn, _doc in [
     ("exact_match", "exact_match", "1 if the stripped response equals a stripped reference answer, else 0."),
 ]:
     REWARDS.add(Entry(_name, f"{_R}.rewards.builtin:{_fn}", NoArgs, _doc, "builtin", binary=True))
+
+# Algorithm variants (runtime/interfaces/variants.py): name, function, one line of what it is.
+_V = f"{_R}.interfaces.variants"
+for _name, _fn, _doc in [
+    ("ppo", "ppo", "Clipped PPO (clip-higher, dual clip, decoupled, token or sequence ratio)."),
+    ("gspo", "gspo", "GSPO: PPO's clipped objective on one ratio per sequence."),
+    (
+        "cispo",
+        "cispo",
+        "CISPO: clipped, detached importance weight times A log pi (every token keeps a gradient).",
+    ),
+]:
+    POLICY_LOSSES.add(Entry(_name, f"{_V}:{_fn}", NoArgs, _doc, "builtin"))
+for _name, _fn, _doc, _group in [
+    ("batch", "batch", "GAE advantages whitened over the batch (PPO).", False),
+    ("none", "none", "GAE advantages as they are.", False),
+    ("group", "group", "Per prompt group, as group_std and leave_one_out say (default: GRPO).", True),
+    ("grpo", "grpo", "GRPO: (s - group mean) / group std.", True),
+    ("dr_grpo", "dr_grpo", "Dr.GRPO: s - group mean.", True),
+    ("rloo", "rloo", "RLOO: s - mean of the group's other samples.", True),
+    ("lite_ppo", "lite_ppo", "LitePPO: (s - group mean) / batch std.", True),
+]:
+    ADVANTAGES.add(Entry(_name, f"{_V}:{_fn}", NoArgs, _doc, "builtin", group_based=_group))
+for _name, _fn, _doc in [
+    ("k1", "k1", "log r (unbiased, can be negative)."),
+    ("k2", "k2", "(log r)^2 / 2 (biased, >= 0, low variance)."),
+    ("k3", "k3", "exp(-log r) - 1 + log r (unbiased, >= 0)."),
+    ("abs", "abs_kl", "|log r| (biased, >= 0)."),
+]:
+    KL_ESTIMATORS.add(Entry(_name, f"{_V}:{_fn}", NoArgs, _doc, "builtin"))
 
 TRAINING = frozenset({"train", "forward", "generate"})
 GENERATION = frozenset({"generate", "update_weights"})

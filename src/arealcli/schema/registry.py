@@ -57,6 +57,9 @@ class Entry:
     train_inputs: frozenset[str] = frozenset()  # keys its train_step must be given (another call makes)
     # Rewards only: every score is 0 or 1 (held-out: an accuracy; otherwise the mean reward).
     binary: bool = False
+    # Advantage estimators only: it compares the samples of one prompt (needs generation.n >= 2, and
+    # sequence scores: the KL cannot be in the reward).
+    group_based: bool = False
 
     def load(self) -> Any:
         if isinstance(self.target, str):
@@ -133,6 +136,10 @@ DATASETS = Registry("dataset")
 REWARDS = Registry("reward")
 TOOLS = Registry("tool")
 WORKFLOWS = Registry("workflow")
+# Algorithm variants: plain functions over tensors, picked by name in an interface's args.
+POLICY_LOSSES = Registry("policy loss")
+ADVANTAGES = Registry("advantage estimator")
+KL_ESTIMATORS = Registry("KL estimator")
 ALL = {
     "interfaces": INTERFACES,
     "backends": BACKENDS,
@@ -140,6 +147,9 @@ ALL = {
     "rewards": REWARDS,
     "workflows": WORKFLOWS,
     "tools": TOOLS,
+    "policy_losses": POLICY_LOSSES,
+    "advantages": ADVANTAGES,
+    "kl_estimators": KL_ESTIMATORS,
 }
 
 
@@ -275,6 +285,32 @@ def register_workflow(name: str, cls: type) -> type:
     (see arealcli.runtime.agents.workflows)."""
     WORKFLOWS.add(Entry(name, cls, _args_model_of(cls), _doc_line(cls), cls.__module__))
     return cls
+
+
+def register_policy_loss(name: str, fn: Any) -> Any:
+    """Register a policy loss `fn(logp, old_logp, advantages, mask, args, prox_logp=None) -> (loss,
+    stats)`: (B, T) tensors (logp the only one with gradients), `args` the actor's PPOActorArgs; the
+    actor picks it with `policy_loss: NAME`."""
+    POLICY_LOSSES.add(Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?")))
+    return fn
+
+
+def register_advantage(name: str, fn: Any, group_based: bool = False) -> Any:
+    """Register an advantage estimator `fn(scores, advantages, mask, group_ids, args) -> (B, T)`: the
+    sequence scores (B,), the returns call's GAE advantages and the loss mask (B, T), each sample's
+    prompt group (B,), the actor's args; the actor picks it with `adv_norm: NAME`. `group_based`: it
+    compares the n samples of a prompt."""
+    ADVANTAGES.add(
+        Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?"), group_based=group_based)
+    )
+    return fn
+
+
+def register_kl_estimator(name: str, fn: Any) -> Any:
+    """Register a per-token KL estimator `fn(logp, ref_logp) -> (B, T)`; the actor's KL loss picks it
+    with `kl_estimator: NAME`."""
+    KL_ESTIMATORS.add(Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?")))
+    return fn
 
 
 def load_builtins() -> None:

@@ -1,8 +1,12 @@
 """The PPO/GRPO actor: generate rollouts, recompute log-probs (also for the reference), train.
 
-One `train_step`, top to bottom:
-  scores -> shaped scores -> (KL in reward) -> GAE advantages -> normalization (batch or per group)
-  -> optional dynamic sampling -> minibatches x sample_reuse of the clipped PPO loss.
+`inference` is `compute_logp`; one `train_step` is, top to bottom:
+  compute_advantages  the registered advantage estimator (`adv_norm`) over the returns call's scores
+                      and GAE advantages (the returns call shaped the scores and put the KL in them)
+  loss_batch          what the loss reads, per token; DAPO's dynamic sampling
+  ppo_update          minibatches x sample_reuse optimizer steps of the registered policy loss
+                      (`policy_loss`), + the KL loss (`kl_estimator`) and the entropy bonus
+Variants are plain functions in registries (interfaces/variants.py; a plugin adds its own).
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ from arealcli.runtime.engines.lm_output import LMOutput, takes_lm_output
 from arealcli.runtime.interfaces import token_logprobs
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.interfaces.rl_common import (
-    dp_masked_normalize,
-    dp_std,
     given_returns,
     group_ids,
     response_view,
@@ -32,6 +34,7 @@ from arealcli.runtime.models.model import Model
 from arealcli.runtime.registry import make_workflow, reward_is_binary
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs
+from arealcli.schema.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
 
 
 @takes_lm_output
@@ -172,9 +175,14 @@ class PPOActorInterface(ModelInterface):
         }
         return out
 
-    # ------------------------------------------------------------------ inference
+    # ------------------------------------------------------------------ inference: compute_logp
 
     def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        return self.compute_logp(model, data, mb_spec)
+
+    def compute_logp(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        """log p(x_{t+1} | x_<=t) of every token under this model (the old policy before an update, the
+        reference model, the proximal policy of decoupled PPO): `packed_logprobs`."""
         t = self.temperature
         logp = model.module.forward(
             data, mb_spec, post_hook=takes_lm_output(lambda out, mb: next_token_logprobs(out, mb, t))
@@ -185,34 +193,29 @@ class PPOActorInterface(ModelInterface):
             {"packed_logprobs": logp.cpu()},
         )
 
-    # ------------------------------------------------------------------ train
+    # ------------------------------------------------------------------ train: compute_advantages -> ppo_update
 
     def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> dict[str, float]:
-        a = self.args
+        """One PPO step: advantages from the returns call's output, the batch the loss trains on, then
+        minibatches x sample_reuse optimizer steps of the policy loss."""
         r = given_returns(data, "ppo_actor's train_step")  # and its KL coefficient: one controller
+        adv, mask, stats = self.compute_advantages(data, r)
+        if "version" in data.meta:  # policy versions between the samples' generator and this model
+            stats.update(version_lag_stats(model.version.global_step, data.meta["version"]))
+        train, kept = self.loss_batch(model, data, adv, mask, stats)
+        stats.update(self.ppo_update(model, train, kept, mb_spec, r.kl_coef))
+        model.inc_version()
+        return stats
+
+    def compute_advantages(self, data: SequenceSample, r: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(advantages (B, T), loss mask (B, T), reward statistics): the registered estimator `adv_norm`
+        over the sequence scores and the returns call's GAE advantages."""
+        a = self.args
         raw = data.data["rewards"].float()  # (B,)
-        no_eos = data.data["seq_no_eos_mask"].bool()
+        no_eos = data.data["seq_no_eos_mask"].bool()  # (B,)
         mask = r.mask & ~no_eos[:, None] if a.mask_too_long else r.mask  # (B, T)
-        gid = group_ids(data)
-
-        # Advantages: (B, T)
-        if a.adv_norm == "group":
-            seq_adv = F.group_normalize(
-                r.scores,
-                gid,
-                subtract_mean=True,
-                divide_std=a.group_std == "group",
-                leave_one_out=a.leave_one_out,
-                unbiased=a.group_std_estimator == "unbiased",
-            )
-            if a.group_std == "batch":  # LitePPO: group mean, batch std (over every rank's batch)
-                seq_adv = seq_adv / (dp_std(r.scores) + 1e-5)
-            adv = seq_adv[:, None] * mask
-        elif a.adv_norm == "batch":
-            adv = dp_masked_normalize(r.advantages, mask)
-        else:
-            adv = r.advantages * mask
-
+        estimate = ADVANTAGES.get(a.adv_norm).load()
+        adv = estimate(r.scores, r.advantages, mask, group_ids(data), a)  # (B, T)
         stats = {
             "reward": float(raw.mean()),
             "reward_std": float(raw.std(unbiased=False)),
@@ -225,12 +228,16 @@ class PPOActorInterface(ModelInterface):
         }
         if r.kl is not None:
             stats["kl_ref"] = float(F.masked_mean(r.kl, r.mask))
-        if "version" in data.meta:  # policy versions between the samples' generator and this model
-            stats.update(version_lag_stats(model.version.global_step, data.meta["version"]))
+        return adv, mask, stats
 
+    def loss_batch(
+        self, model: Model, data: SequenceSample, adv: torch.Tensor, mask: torch.Tensor, stats: dict
+    ) -> tuple[SequenceSample, list[int]]:
+        """What the policy loss reads, packed per token (advantages, old / reference / proximal log-probs,
+        the action mask), and the samples kept (DAPO's dynamic sampling drops uniform groups)."""
         keep = torch.ones(data.bs, dtype=torch.bool)
-        if a.dynamic_sampling:
-            keep = F.dynamic_sampling_mask(raw, gid)
+        if self.args.dynamic_sampling:
+            keep = F.dynamic_sampling_mask(data.data["rewards"].float(), group_ids(data))
             stats["dynamic_sampling_kept"] = float(keep.float().mean())
         # episodes: the loss counts the model's own tokens only (never prompts or tool output)
         train = data.select(
@@ -241,13 +248,19 @@ class PPOActorInterface(ModelInterface):
         train.data["action_mask"] = to_packed(mask.float(), data)
         if "packed_ref_logprobs" in data.data:
             train.data["ref_logp"] = data.data["packed_ref_logprobs"].float()
-        if a.use_decoupled_loss:
+        if self.args.use_decoupled_loss:
             train.data.update(self._proximal(model, data, mask))
         for k in ("advantages", "old_logp", "action_mask", "ref_logp", "prox_logp", "prox_alpha"):
             if k in train.data:
                 train.seqlens[k] = list(train.seqlens["packed_input_ids"])
-        kept = [i for i in range(data.bs) if keep[i]]
+        return train, [i for i in range(data.bs) if keep[i]]
 
+    def ppo_update(
+        self, model: Model, train: SequenceSample, kept: list[int], mb_spec: MicroBatchSpec, kl_coef: float
+    ) -> dict[str, float]:
+        """sample_reuse passes over the kept samples, each in n_minibatches shuffled minibatches, one
+        optimizer step each; the statistics are their means."""
+        a = self.args
         train_stats: dict[str, float] = {}
         n_updates = 0
         if kept or distributed.world() > 1:  # every rank steps the same number of times
@@ -258,7 +271,7 @@ class PPOActorInterface(ModelInterface):
                     s = model.module.train_batch(
                         train.subset(idx),
                         mb_spec,
-                        functools.partial(self._loss_fn, kl_coef=r.kl_coef),  # still marked (outputs_for)
+                        functools.partial(self._loss_fn, kl_coef=kl_coef),  # still marked (outputs_for)
                         self._loss_weight,
                         version_steps=model.version.global_step,
                         lr_scale=a.lr_scale,
@@ -266,9 +279,8 @@ class PPOActorInterface(ModelInterface):
                     for k, v in s.items():
                         train_stats[k] = train_stats.get(k, 0.0) + v
                     n_updates += 1
-        stats.update({k: v / max(n_updates, 1) for k, v in train_stats.items()})
+        stats = {k: v / max(n_updates, 1) for k, v in train_stats.items()}
         stats["n_updates"] = float(n_updates)
-        model.inc_version()
         return stats
 
     def _proximal(self, model: Model, data: SequenceSample, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -327,26 +339,12 @@ class PPOActorInterface(ModelInterface):
         # the generator's log-probs vs the trainer's: the recomputed proximal ones, or else the current
         # ones (the weights before this update on the step's first minibatch)
         prox_stats.update(F.mismatch_stats(old, logp.detach() if recomputed is None else recomputed, mask))
-        loss, stats = F.ppo_actor_loss(
-            logp,
-            old,
-            adv,
-            mask,
-            eps_clip=a.eps_clip,
-            eps_clip_higher=a.eps_clip_higher,
-            c_clip=a.c_clip,
-            prox_logp=prox,
-            behav_imp_weight_cap=a.behav_imp_weight_cap,
-            behav_imp_weight_mode=a.behav_imp_weight_mode,
-            aggregation=a.aggregation,
-            max_len=a.generation.max_new_tokens,
-            importance_ratio=a.importance_ratio,
-        )
+        loss, stats = POLICY_LOSSES.get(a.policy_loss).load()(logp, old, adv, mask, a, prox_logp=prox)
         stats.update(prox_stats)
         if "ref_logp" in mb.data and kl_coef > 0 and not a.shaping.kl_in_reward:
             ref, _ = response_view(mb.data["ref_logp"].to(logits.device), mb)
             # aggregated like the policy loss (TRL, verl): with Dr.GRPO's sum / max_len the KL too
-            kl_tokens = F.kl_estimate(logp, ref, a.kl_estimator)  # (B, T)
+            kl_tokens = KL_ESTIMATORS.get(a.kl_estimator).load()(logp, ref)  # (B, T)
             kl = F.aggregate_loss(kl_tokens, mask, a.aggregation, a.generation.max_new_tokens)
             loss = loss + kl_coef * kl
             stats["kl_loss"] = kl.detach()

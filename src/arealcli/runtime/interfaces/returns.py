@@ -36,6 +36,11 @@ class ReturnsInterface(ModelInterface):
         self.kl_ctl = F.kl_controller(args.shaping.kl_ctl, args.adaptive_kl_target, args.adaptive_kl_horizon)
 
     def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        return self.advantages_and_returns(data)
+
+    def advantages_and_returns(self, data: SequenceSample) -> SequenceSample:
+        """GAE advantages (the actor's), returns (the critic's targets) and shaped sequence scores, under
+        this step's KL coefficient; then the adaptive controller takes the step's KL."""
         a = self.args
         kl_coef = self.kl_ctl.value
         r = compute_returns(data, a.shaping, a.gae_lambda, kl_coef, a.max_new_tokens, a.returns_lambda)

@@ -8,7 +8,7 @@ from pydantic import Field, PositiveInt, ValidationError, field_validator, model
 
 from arealcli.schema.base import Abstraction, StrictModel
 from arealcli.schema.components.engine import GenerationHyperparameters
-from arealcli.schema.registry import REWARDS, WORKFLOWS
+from arealcli.schema.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, REWARDS, WORKFLOWS
 
 
 def _registered_reward(name: str | None) -> str | None:
@@ -70,8 +70,10 @@ class PPOActorArgs(StrictModel):
         "kl_in_reward: KL in the loss when false).",
     )
     mask_too_long: bool = Field(False, description="Drop truncated responses from the loss.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="KL estimator (k1 = log r, k3 = low variance)."
+    kl_estimator: str = Field(
+        "k3",
+        description="KL estimator of the KL loss, by name (areal list kl_estimators): k1 = log r, k2, "
+        "k3 = low variance, abs, or one a plugin registers.",
     )
     adaptive_kl_target: float | None = Field(
         None, gt=0, description="Target KL of the adaptive controller (the presets' returns call has it)."
@@ -81,9 +83,11 @@ class PPOActorArgs(StrictModel):
     )
     # --- advantages
     gae_lambda: float = Field(1.0, ge=0, le=1, description="GAE lambda (the presets' returns call uses it).")
-    adv_norm: Literal["batch", "group", "none"] = Field(
+    adv_norm: str = Field(
         "batch",
-        description="batch: over all tokens; group: per prompt group of n samples (GRPO; preset grpo's default).",
+        description="Advantage estimator, by name (areal list advantages): batch (GAE whitened over all "
+        "tokens), group (per prompt group of n samples, as group_std and leave_one_out say; preset grpo's "
+        "default), none, grpo, dr_grpo, rloo, lite_ppo, or one a plugin registers.",
     )
     group_std: Literal["group", "batch", "none"] = Field(
         "group",
@@ -98,6 +102,11 @@ class PPOActorArgs(StrictModel):
         False, description="DAPO: drop prompt groups whose samples all score the same (std 0)."
     )
     # --- loss
+    policy_loss: str = Field(
+        "ppo",
+        description="Policy loss, by name (areal list policy_losses): ppo (clipped; the options below), "
+        "gspo, cispo, or one a plugin registers.",
+    )
     eps_clip: float = Field(
         0.2, gt=0, description="PPO ratio clip (lower side, and upper unless eps_clip_higher)."
     )
@@ -170,6 +179,21 @@ class PPOActorArgs(StrictModel):
 
     _known = field_validator("eval_reward_fn")(_registered_reward)
 
+    @field_validator("policy_loss")
+    @classmethod
+    def _known_loss(cls, name: str) -> str:
+        return POLICY_LOSSES.validated(name).name
+
+    @field_validator("adv_norm")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        return ADVANTAGES.validated(name).name
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _known_kl(cls, name: str) -> str:
+        return KL_ESTIMATORS.validated(name).name
+
     @field_validator("workflow")
     @classmethod
     def _workflow_args(cls, spec: WorkflowSpec | None) -> WorkflowSpec | None:
@@ -190,15 +214,21 @@ class PPOActorArgs(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> PPOActorArgs:
-        if self.adv_norm == "group" and self.shaping.kl_in_reward:
+        grouped = ADVANTAGES.validated(self.adv_norm).group_based
+        if grouped and self.shaping.kl_in_reward:
             raise ValueError(
-                "adv_norm=group normalizes sequence scores per prompt group, so the KL cannot be in the reward;"
-                " set kl_in_reward: false (KL in the loss) or adv_norm: batch"
+                f"adv_norm={self.adv_norm} normalizes sequence scores per prompt group, so the KL cannot be in "
+                "the reward; set kl_in_reward: false (KL in the loss) or adv_norm: batch"
             )
-        if self.adv_norm == "group" and self.generation.n < 2:
-            raise ValueError("adv_norm=group needs generation.n >= 2 samples per prompt (a group)")
+        if grouped and self.generation.n < 2:
+            raise ValueError(f"adv_norm={self.adv_norm} needs generation.n >= 2 samples per prompt (a group)")
         if self.leave_one_out and self.adv_norm != "group":
-            raise ValueError("leave_one_out is a group baseline: set adv_norm: group")
+            raise ValueError("leave_one_out is a group baseline: set adv_norm: group (or adv_norm: rloo)")
+        if self.group_std != "group" and self.adv_norm != "group":
+            raise ValueError(
+                f"group_std={self.group_std} chooses adv_norm=group's std; with adv_norm={self.adv_norm} it "
+                "would be ignored (lite_ppo: group mean, batch std; dr_grpo: no std)"
+            )
         if self.behav_imp_weight_cap is not None and not self.use_decoupled_loss:
             raise ValueError(
                 "behav_imp_weight_cap caps pi_prox / pi_behaviour, which exists with use_decoupled_loss: true"
