@@ -193,6 +193,8 @@ def test_a_backend_plugin_in_the_original_form_trains_saves_and_resumes(ws, cli)
     assert cli("check", path).exit_code == 0
     full = cli("train", path, "-o", ws.root / "full")
     assert full.exit_code == 0, full.output
+    # its engine keeps no optimizer state for resume (plain SGD has none): said before training
+    assert "its engine (PlainEngine) does not implement save_state" in " ".join(full.output.split())
     rows = [json.loads(x) for x in (ws.root / "full" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["sft/loss"] < rows[0]["sft/loss"], rows
     assert (ws.root / "full" / "checkpoints" / "step_00000006" / "default" / "config.json").is_file()

@@ -192,6 +192,7 @@ class Trainer:
             model = Model(name, raw.get(name), self.tokenizer, seed=seeds[name])
             model.source = ModelSource(specs[name], functools.partial(fresh, name))
             self.models[name] = self._initialize(backends[name], model, spec, resume_from)
+        self.notes += stateless_engines(self.models, self.trained)
         if r.dataset.batch_size % distributed.dp_world():  # known once the backends are set up
             raise ValueError(batch_size_problem(r.dataset.batch_size, distributed.dp_world()))
 
@@ -639,3 +640,18 @@ def write_resolved_recipe(recipe: Recipe, run_dir: Path, recipe_dir: Path) -> No
     run_dir.mkdir(parents=True, exist_ok=True)
     data = resolved_recipe_data(recipe, recipe_dir)
     (run_dir / "recipe.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def stateless_engines(models: dict[str, Model], trained: set[str]) -> list[str]:
+    """A note for each trained model whose engine keeps no state for resume (a plugin's engine that
+    does not implement `save_state`): its checkpoints hold the weights, a resume restarts its optimizer."""
+    out = []
+    for name in sorted(trained):
+        engine = models[name].module
+        if isinstance(engine, Engine) and type(engine).save_state is Engine.save_state:
+            out.append(
+                f"model {name}: its engine ({type(engine).__name__}) does not implement save_state, so "
+                "checkpoints hold its weights only: a --resume restarts its optimizer (and anything else it "
+                "keeps) from scratch"
+            )
+    return out
