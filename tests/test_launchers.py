@@ -106,3 +106,24 @@ def test_the_trainer_connects_to_servers_a_launcher_started(monkeypatch):
     assert args.launch is None and args.addresses == ["10.1.2.3:20001"]
     assert args.api_key_env == CLUSTER_KEY_ENV
     assert recipe.models["actor_gen"].backend.args.launch == "embedded"  # the recipe is unchanged
+
+
+def test_initial_weights_a_launcher_exports_are_the_trainers(tmp_path):
+    """A launcher exports the servers' step-0 weights with the same public functions the trainer builds
+    its models with (seeded): the exported folder equals the trainer's module."""
+    import torch
+    from safetensors.torch import load_file
+
+    from arealcli.runtime.launchers.plan import export_initial_weights, initial_weights_dir
+    from arealcli.runtime.run.trainer import initial_module, recipe_tokenizer
+    from arealcli.schema.source import load_recipe_source
+    from arealcli.schema.validate import validate
+
+    recipe = validate(load_recipe_source(SERVER_RECIPE))
+    export_initial_weights(recipe, SERVER_RECIPE, tmp_path, ["actor"])
+    exported = load_file(str(initial_weights_dir(tmp_path, "actor") / "model.safetensors"))
+    module = initial_module(
+        recipe, SERVER_RECIPE.parent, recipe_tokenizer(recipe, SERVER_RECIPE.parent), "actor"
+    )
+    state = module.state_dict()
+    assert exported and all(torch.equal(exported[k], state[k]) for k in exported)

@@ -126,7 +126,7 @@ def server_tasks(recipe: Recipe, model: str, nodes: list[int], run_dir: Path) ->
         else:
             assert isinstance(args, SGLangBackendArgs)
             cmd = launcher.server_command(mine, weights, 0, local)
-            env = {WEIGHTS_DIR_ENV: str((run_dir / "weights").resolve())} if args.launch == "embedded" else {}
+            env = {WEIGHTS_DIR_ENV: str((run_dir / "weights").resolve())}  # embedded, and our SGLang guard
             key_env, kind = API_KEY_ENV, str(args.launch)
             gpus = args.tp_size if args.launch == "sglang" or args.device == "cuda" else 0
         cmd[cmd.index("--port") + 1] = PORT
@@ -147,13 +147,14 @@ def export_initial_weights(recipe: Recipe, recipe_path: Path, run_dir: Path, mod
     from transformers.utils import logging as hf_logging
 
     from arealcli.runtime.models.weights import export_hf
-    from arealcli.runtime.run.trainer import Trainer
+    from arealcli.runtime.run.trainer import initial_module, recipe_tokenizer
 
     hf_logging.disable_progress_bar()
-    trainer = Trainer(recipe, recipe_path.resolve().parent, run_dir)
-    trainer._setup_data()
+    recipe_dir = recipe_path.resolve().parent
+    tokenizer = recipe_tokenizer(recipe, recipe_dir)
     for model in models:
-        export_hf(trainer.fresh_module(model), trainer.tokenizer, initial_weights_dir(run_dir, model))
+        module = initial_module(recipe, recipe_dir, tokenizer, model)
+        export_hf(module, tokenizer, initial_weights_dir(run_dir, model))
 
 
 def areal_command() -> list[str]:

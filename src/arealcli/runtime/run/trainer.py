@@ -138,11 +138,7 @@ class Trainer:
 
     def _setup_data(self) -> None:
         r = self.recipe
-        first_path = next((m.path for m in r.models.values() if m.path), None)
-        tok_spec = r.tokenizer
-        if tok_spec is not None and tok_spec.path:  # relative to the recipe, or a Hub name
-            tok_spec = tok_spec.model_copy(update={"path": self._resolve(tok_spec.path)})
-        self.tokenizer = load_tokenizer(tok_spec, first_path and self._resolve(first_path))
+        self.tokenizer = recipe_tokenizer(r, self.recipe_dir)
         self.dataset = make_dataset(r.dataset, self.tokenizer, str(self.recipe_dir))
         self.notes += getattr(self.dataset, "notes", [])  # rows dropped or cut, for the console
         self.batches = Batches(self.dataset, r.dataset.batch_size, r.dataset.shuffle, r.seed)
@@ -197,15 +193,12 @@ class Trainer:
             raise ValueError(batch_size_problem(r.dataset.batch_size, distributed.dp_world()))
 
     def fresh_module(self, name: str) -> Any:
-        """Model `name`'s torch module as the recipe describes it, built anew (seeded: the same every
-        time, in every process; after `_setup_data`, which loads the tokenizer)."""
-        spec, source = self._resolved_spec(name), self.recipe.models[name].init_from
-        source_module = self.fresh_module(source) if source else None
-        return build_module(spec, self.tokenizer, model_seeds(self.recipe)[name], source_module)
+        """Model `name`'s torch module as the recipe describes it, built anew (after `_setup_data`, which
+        loads the tokenizer)."""
+        return initial_module(self.recipe, self.recipe_dir, self.tokenizer, name)
 
     def _resolved_spec(self, name: str) -> ModelSpec:
-        spec = self.recipe.models[name]
-        return spec.model_copy(update={"path": self._resolve(spec.path)}) if spec.path else spec
+        return resolved_spec(self.recipe, self.recipe_dir, name)
 
     def _eager_models(self, backends: dict[str, Any]) -> set[str]:
         """Models whose torch module the trainer builds: those whose backend does not build its own
@@ -295,14 +288,7 @@ class Trainer:
             self.train_calls = [c for c in self.calls if not on_rollout_side(c.spec)]
 
     def _resolve(self, path: str) -> str:
-        """A local path (absolute or relative to the recipe), a Hub name's cached snapshot, or the Hub
-        name itself (transformers then downloads it when online)."""
-        from arealcli.schema.paths import REPO_ID, locate, resolve
-
-        found = locate(path, self.recipe_dir)
-        if found is not None:
-            return str(found)
-        return path if REPO_ID.match(path) else str(resolve(path, self.recipe_dir))
+        return resolve_path(path, self.recipe_dir)
 
     # ------------------------------------------------------------------ the loop
 
@@ -655,3 +641,39 @@ def stateless_engines(models: dict[str, Model], trained: set[str]) -> list[str]:
                 "keeps) from scratch"
             )
     return out
+
+
+def resolve_path(path: str, recipe_dir: Path) -> str:
+    """A local path (absolute or relative to the recipe), a Hub name's cached snapshot, or the Hub name
+    itself (transformers then downloads it when online)."""
+    from arealcli.schema.paths import REPO_ID, locate, resolve
+
+    found = locate(path, recipe_dir)
+    if found is not None:
+        return str(found)
+    return path if REPO_ID.match(path) else str(resolve(path, recipe_dir))
+
+
+def recipe_tokenizer(recipe: Recipe, recipe_dir: Path) -> Any:
+    """The run's tokenizer: the recipe's `tokenizer`, else the first model's folder's."""
+    first_path = next((m.path for m in recipe.models.values() if m.path), None)
+    spec = recipe.tokenizer
+    if spec is not None and spec.path:  # relative to the recipe, or a Hub name
+        spec = spec.model_copy(update={"path": resolve_path(spec.path, recipe_dir)})
+    return load_tokenizer(spec, first_path and resolve_path(first_path, recipe_dir))
+
+
+def resolved_spec(recipe: Recipe, recipe_dir: Path, name: str) -> ModelSpec:
+    """Model `name`'s spec with its path resolved (see `resolve_path`)."""
+    spec = recipe.models[name]
+    return spec.model_copy(update={"path": resolve_path(spec.path, recipe_dir)}) if spec.path else spec
+
+
+def initial_module(recipe: Recipe, recipe_dir: Path, tokenizer: Any, name: str) -> Any:
+    """Model `name`'s torch module at step 0 as the recipe describes it: seeded, so the same every
+    time and in every process (what the trainer builds, and what a cluster launcher exports for the
+    servers it starts)."""
+    source = recipe.models[name].init_from
+    source_module = initial_module(recipe, recipe_dir, tokenizer, source) if source else None
+    spec = resolved_spec(recipe, recipe_dir, name)
+    return build_module(spec, tokenizer, model_seeds(recipe)[name], source_module)
