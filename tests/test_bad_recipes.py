@@ -115,7 +115,10 @@ def test_yaml_12_floats_and_merge_keys(ws, cli):
     "override, message",
     [
         ("dataset.batch_size=true", "dataset.batch_size: Input should be a valid integer (got True)"),
-        ("dataset.batch_size='8'", "Input should be a valid integer (got '8')"),
+        (
+            "dataset.batch_size='8'",
+            "Input should be a valid integer; in quotes it is text: write 8 without the quotes (got '8')",
+        ),
         ("dataset.batch_size=8.0", "Input should be a valid integer"),
         ("models.default.backend.args.optimizer.lr=.inf", "not a finite number"),
         (

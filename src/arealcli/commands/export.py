@@ -1,5 +1,6 @@
-"""`areal export RUN [--step N] [--model NAME] -o DIR [--adapter] [--force] [--push-to-hub REPO]`: a run's
-checkpoint as a self-contained Hugging Face folder with a model card."""
+"""`areal export RUN DIR [--step N] [--model NAME] [--adapter] [--force] [--push-to-hub REPO]`: a run's
+checkpoint as a self-contained Hugging Face folder with a model card. DIR is the second argument or
+`-o DIR`, as a user types it."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ def export(
     run_dir: Path = typer.Argument(
         ..., metavar="RUN", help="A run directory of areal train (or one of its checkpoints)."
     ),
+    out_dir: Path = typer.Argument(
+        None, metavar="DIR", show_default=False, help="The folder to write (new or empty); or -o DIR."
+    ),
     output: Path = typer.Option(
-        ..., "--output", "-o", metavar="DIR", help="The folder to write (new or empty)."
+        None, "--output", "-o", metavar="DIR", help="The folder to write (new or empty)."
     ),
     step: int = typer.Option(
         None, "--step", min=0, metavar="N", help="The checkpoint of step N (default: the latest)."
@@ -43,11 +47,12 @@ def export(
     """Export a run's checkpoint as a Hugging Face model folder with a model card.
 
     Examples:
-    areal export runs/quickstart -o exports/quickstart
+    areal export runs/quickstart exports/quickstart
     areal export runs/quickstart --step 200 --model actor -o exports/qs-200
     areal export runs/qwen-lora --adapter -o exports/qwen-lora-adapter
     areal export runs/quickstart -o exports/qs --push-to-hub me/quickstart
     """
+    output = _output(out_dir, output)
     if push_to_hub is not None:
         _check_hub(push_to_hub)
     from arealcli.runtime.run.export import export as write_export
@@ -69,6 +74,15 @@ def export(
     )
     if push_to_hub is not None:
         _push(out, push_to_hub)
+
+
+def _output(positional: Path | None, option: Path | None) -> Path:
+    """The folder to write: `areal export RUN DIR` or `-o DIR`, given once."""
+    if positional is None and option is None:
+        raise fail(["where to: give the folder to write, areal export RUN DIR (or -o DIR)"])
+    if positional is not None and option is not None and positional != option:
+        raise fail([f"two folders to write ({positional} and -o {option}): give one"])
+    return positional if positional is not None else option  # type: ignore[return-value]
 
 
 def _check_hub(repo: str) -> None:

@@ -23,7 +23,26 @@ from rich.text import Text
 from arealcli.commands.common import console, fail
 from arealcli.schema.registry import ALL, RegistryError, import_plugins, suggest
 
-KINDS = ("interfaces", "backends", "datasets", "rewards", "workflows", "tools")
+KINDS = (
+    "interfaces",
+    "backends",
+    "datasets",
+    "rewards",
+    "workflows",
+    "tools",
+    "policy_losses",
+    "advantages",
+    "kl_estimators",
+)
+# algorithm variants: the ppo_actor key that picks one by name
+PICKED_BY = {"policy_losses": "policy_loss", "advantages": "adv_norm", "kl_estimators": "kl_estimator"}
+
+
+def singular(kind: str) -> str:
+    """`policy_losses` -> `policy_loss`, `rewards` -> `reward`."""
+    return kind[:-2] if kind.endswith("sses") else kind[:-1]
+
+
 SECTIONS = (
     "recipe",
     "models",
@@ -124,7 +143,7 @@ def describe_args(model: type[BaseModel], prefix: str = "", expand: bool = False
 def _entry_payload(kind: str, e, expand: bool = False) -> dict:
     return {
         "name": e.name,
-        "kind": kind[:-1],
+        "kind": singular(kind),
         "description": e.description.strip().splitlines()[0] if e.description else "",
         "origin": e.origin,
         **({"call_types": sorted(e.call_types)} if kind == "interfaces" else {}),
@@ -136,7 +155,7 @@ def _entry_payload(kind: str, e, expand: bool = False) -> dict:
 
 def section_rows(name: str) -> list[dict]:
     """The keys of a recipe section, as an override writes them (`trainer.max_steps`)."""
-    from arealcli.schema.presets import PresetSpec
+    from arealcli.schema.json_schema import PresetDataflow
     from arealcli.schema.recipe import (
         CallSpec,
         ClusterSpec,
@@ -152,10 +171,18 @@ def section_rows(name: str) -> list[dict]:
         return describe_args(Recipe)
     if name == "models":
         return describe_args(ModelSpec, "models.NAME.", expand=True)
-    if name == "dataflow":
-        return describe_args(PresetSpec, "dataflow.", expand=True) + describe_args(
-            CallSpec, "dataflow.calls.N.", expand=True
-        )
+    if name == "dataflow":  # a preset's blocks typed by their interfaces' args, or the calls written out
+        calls = {
+            "name": "dataflow.calls",
+            "type": "list[mapping]",
+            "default": "(instead of preset)",
+            "description": "The dataflow written out: one mapping per call, in order (keys below).",
+        }
+        return [
+            *describe_args(PresetDataflow, "dataflow.", expand=True),
+            calls,
+            *describe_args(CallSpec, "dataflow.calls.N.", expand=True),
+        ]
     models: dict[str, type[BaseModel]] = {
         "tokenizer": TokenizerSpec,
         "dataset": DatasetSpec,
@@ -226,14 +253,15 @@ def _about(kind: str, e: dict) -> str:
         for label, key in (("calls", "call_types"), ("can", "capabilities"), ("keys", "keys"))
         if key in e
     )
-    return f"{e['name']} ({kind[:-1]}, {e['origin']}): {e['description'].rstrip('.')}{extra}"
+    picked = f"; picked with {PICKED_BY[kind]}: {e['name']}" if kind in PICKED_BY else ""
+    return f"{e['name']} ({singular(kind)}, {e['origin']}): {e['description'].rstrip('.')}{extra}{picked}"
 
 
 def _plain(kind: str, e: dict) -> None:
     """A header line, then one line per key: `key  type  default  description`, columns aligned."""
     print(f"# {_about(kind, e)}")
     rows = [(a["name"], a["type"], readable(a["default"]), a["description"]) for a in e["args"]]
-    if not rows:
+    if not rows and kind not in PICKED_BY:
         print("(no arguments)")
     widths = [min(32, max((len(r[i]) for r in rows), default=0)) for i in range(3)]
     for r in rows:
@@ -244,7 +272,7 @@ def _plain(kind: str, e: dict) -> None:
 def _table(kind: str, e: dict) -> None:
     """For a terminal of any width: `key  type = default` in color, the description wrapped below."""
     console.print(Text.assemble((e["name"], "bold cyan"), f"  {_about(kind, e)[len(e['name']) + 1 :]}"))
-    if not e["args"]:
+    if not e["args"] and kind not in PICKED_BY:
         console.print(Text("  no arguments", style="dim"))
     for a in e["args"]:
         console.print(

@@ -7,6 +7,7 @@ one as `file:line:col: path: message (got value)`.
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -106,4 +107,20 @@ def _problem(e: Any, model: type[BaseModel], prefix: Path_) -> Problem:
     message = e["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-    return Problem(prefix + loc, message, e.get("input", MISSING))
+    return Problem(prefix + loc, message + _quoted_hint(e), e.get("input", MISSING))
+
+
+QUOTED = {
+    "int_type": re.compile(r"[+-]?\d+"),
+    "float_type": re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?"),
+    "bool_type": re.compile(r"true|false"),
+}
+
+
+def _quoted_hint(e: Any) -> str:
+    """A number (or boolean) written in quotes is text, and values are not coerced: say to drop the
+    quotes, which is what was meant almost always."""
+    pattern, value = QUOTED.get(e["type"]), e.get("input")
+    if pattern is None or not isinstance(value, str) or not pattern.fullmatch(value.strip()):
+        return ""
+    return f"; in quotes it is text: write {value.strip()} without the quotes"
