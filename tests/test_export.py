@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from arealcli.main import app
 from arealcli.runtime.run.export import generation_settings
+from arealcli.runtime.run.model_card import public_recipe
 from tests.conftest import Workspace, tiny_module
 from tests.test_chat import Greedy
 
@@ -92,12 +93,20 @@ def test_export_is_a_model_folder_with_a_card(run, tmp_path):
     assert held_out_table(body) == [[str(s), f"{v:.4g}"] for s, v in evals]
     assert "![metrics of the run over training](report.png)" in body
     embedded = body.split("```yaml\n", 1)[1].split("```", 1)[0]
-    assert yaml.safe_load(embedded) == yaml.safe_load((run / "recipe.yaml").read_text())
+    saved = yaml.safe_load((run / "recipe.yaml").read_text())
+    assert (
+        yaml.safe_load(embedded)
+        == public_recipe(saved, run)
+        == yaml.safe_load((out / "recipe.yaml").read_text())
+    )
+    assert yaml.safe_load(embedded)["dataset"]["args"]["path"] == "<local>/train.jsonl"  # (not published)
     assert "areal train recipe.yaml -o runs/tiny-sft" in body
-    # and the command that trained it, as typed (the run's commands.log), without the folder typed in
+    # and the command that trained it, as typed (the run's commands.log), without the folder typed in and
+    # its absolute paths (typed outside the folder it was typed in: `<local>/NAME`; the run: `<run>`)
     (logged,) = (run / "commands.log").read_text().splitlines()
-    typed = f"areal train {run.parent / 'recipe.yaml'} -o {run}"
-    assert logged.endswith(f" && {typed}") and "It was trained with" in body and f"\n{typed}\n" in body
+    assert logged.endswith(f" && areal train {run.parent / 'recipe.yaml'} -o {run}")
+    typed = "areal train <local>/recipe.yaml -o <run>"
+    assert "It was trained with" in body and f"\n{typed}\n" in body
 
 
 def test_the_export_serves_with_areal_serve(run, tmp_path):

@@ -2,7 +2,8 @@
 
 Every run here finishes by itself, exit 0, with one metrics row per step and no process left behind:
 - a launched generation server killed (-9) during the SFT warm-up, during RL, and during a weight update;
-  stopped (SIGSTOP) during RL: restarted with the newest weights, one console line each;
+  stopped (SIGSTOP) during RL: restarted with the newest weights, one console line each and nothing
+  else (no traceback, no asyncio "never retrieved"); what the run wrote, server logs included, private;
 - a reward function that raises once: the run starts again from its last checkpoint (trainer.recover)
   and ends with the weights of an uninterrupted run, bit for bit (resume is exact);
 - one rank of a 2-process SFT run killed (-9): the same, for the whole process group.
@@ -94,13 +95,34 @@ def final_weights(run_dir: Path, step: int, model: str) -> dict[str, torch.Tenso
 QUICKSTART_SERVER = REPO / "recipes" / "quickstart-server.yaml"
 
 
+def assert_quiet_recovery(out: str) -> None:
+    """Recovery is one line: no traceback, no asyncio "Task exception was never retrieved" (the requests
+    a dead server held are retried, and their failures reported once, by the client)."""
+    assert "Traceback" not in out and "never retrieved" not in out, out
+    assert sum("restarted in" in line for line in out.splitlines()) == 1, out
+
+
+def assert_private(run_dir: Path) -> None:
+    """Everything the run wrote (server logs, weights, checkpoints, samples) is its user's alone."""
+    found = {p: p.stat().st_mode & 0o777 for p in [run_dir, *run_dir.rglob("*")] if not p.is_symlink()}
+    assert {str(p): oct(m) for p, m in found.items() if m & 0o077} == {}
+
+
 @pytest.mark.parametrize(
-    ("when", "sig"), [("warmup", signal.SIGKILL), ("rl", signal.SIGKILL), ("rl", signal.SIGSTOP)]
+    ("when", "sig", "stall_timeout_s"),
+    [
+        ("warmup", signal.SIGKILL, None),
+        ("rl", signal.SIGKILL, None),
+        ("rl", signal.SIGSTOP, 3),
+        # requests held past a /health probe (interval 5 s) while the stopped server is killed: each used
+        # to print "Task exception was never retrieved" with its traceback (64 of them, ~500 lines)
+        ("rl", signal.SIGSTOP, 10),
+    ],
 )
-def test_a_launched_server_that_fails_is_restarted_and_the_run_goes_on(tmp_path, when, sig):
+def test_a_launched_server_that_fails_is_restarted_and_the_run_goes_on(tmp_path, when, sig, stall_timeout_s):
     run_dir = tmp_path / "run"
-    stall = ["models.actor_gen.backend.args.stall_timeout_s=3"] if sig == signal.SIGSTOP else []
-    proc = start(QUICKSTART_SERVER, run_dir, *SHORT, *stall)
+    stall = [f"models.actor_gen.backend.args.stall_timeout_s={stall_timeout_s}"] if stall_timeout_s else []
+    proc = start(QUICKSTART_SERVER, run_dir, *SHORT, *stall, "trainer.samples_every_n_steps=8")
     try:
         wait_for_step(proc, run_dir, 2 if when == "warmup" else 7)
         (pid,) = server_pids(run_dir)
@@ -108,13 +130,13 @@ def test_a_launched_server_that_fails_is_restarted_and_the_run_goes_on(tmp_path,
         out = finish(proc)
     finally:
         proc.kill()
-    restarted = [line for line in out.splitlines() if "restarted in" in line]
-    assert len(restarted) == 1, out
+    assert_quiet_recovery(out)
+    (restarted,) = [line for line in out.splitlines() if "restarted in" in line]
     said = "exited with code -9" if sig == signal.SIGKILL else "stopped answering"
-    assert said in restarted[0], restarted
-    assert "Traceback" not in out
+    assert said in restarted, restarted
     assert rows(run_dir)[-1]["faults/server_restarts"] == 1
     assert_clean_run(run_dir, 16)
+    assert_private(run_dir)
 
 
 def test_a_server_that_dies_during_a_weight_update_is_restarted(tmp_path):
@@ -124,7 +146,7 @@ def test_a_server_that_dies_during_a_weight_update_is_restarted(tmp_path):
     env = {"AREALCLI_FAULT_DIE_ON_UPDATE": f"6:{marker}"}
     out = finish(start(QUICKSTART_SERVER, run_dir, *SHORT, env=env))
     assert marker.exists()  # it did die in the update
-    assert sum("restarted in" in line for line in out.splitlines()) == 1, out
+    assert_quiet_recovery(out)
     assert rows(run_dir)[-1]["faults/server_restarts"] == 1
     assert_clean_run(run_dir, 16)
 

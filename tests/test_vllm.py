@@ -91,8 +91,10 @@ def query(prompts: list[list[int]], repeat: int = 1) -> SequenceSample:
     return data.repeat_interleave(repeat) if repeat > 1 else data
 
 
-def post(address: str, path: str, body=None) -> httpx.Response:
-    return httpx.post(f"http://{address}{path}", json=body, timeout=60, trust_env=False)
+def post(address: str, path: str, body=None, key: str | None = None) -> httpx.Response:
+    """POST to a launched server, with `key` (the run's key: every path of it wants one)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"http://{address}{path}", json=body, headers=headers, timeout=60, trust_env=False)
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -246,7 +248,9 @@ def test_weights_follow_training(gen, model_dir, reference, char_tok, tmp_path):
         t0 = time.monotonic()
         gen.backend.update_weights(gen, str(tmp_path / "v4"), 4)
         print(f"\nweight update (pause, reload, reset cache, resume): {time.monotonic() - t0:.2f} s")
-        assert httpx.get(f"http://{address}/weight_info", trust_env=False).json() == {"weight_version": "4"}
+        key = {"Authorization": f"Bearer {gen.backend.api_key}"}
+        info = httpx.get(f"http://{address}/weight_info", headers=key, trust_env=False)
+        assert info.json() == {"weight_version": "4"}
 
         after = gen.module.generate(query([PROMPT]), MicroBatchSpec(), char_tok, g)
         assert after.versions == [4]
@@ -270,13 +274,13 @@ def test_requests_in_flight_during_an_update(gen, model_dir, reference, char_tok
     new ones: each sample has one version, and the right one."""
     other = tiny_module(char_tok, seed=3, **ARCH)
     other.save_pretrained(tmp_path)
-    address, old = gen.backend.servers[0].address, gen.backend.client.version
+    address, old, key = gen.backend.servers[0].address, gen.backend.client.version, gen.backend.api_key
     g = GenerationHyperparameters(greedy=True, max_new_tokens=5)
 
     def generate():
         return gen.module.generate(query([PROMPT]), MicroBatchSpec(), char_tok, g)
 
-    assert post(address, "/pause?mode=keep").status_code == 200  # freeze the server: A stays in flight
+    assert post(address, "/pause?mode=keep", key=key).status_code == 200  # freeze it: A stays in flight
     try:
         a = run_in_thread(generate)
         time.sleep(0.5)
@@ -286,7 +290,7 @@ def test_requests_in_flight_during_an_update(gen, model_dir, reference, char_tok
         time.sleep(0.5)
         assert all(t.is_alive() for t, _ in (a, update, b))  # the update waits for A, B for the update
     finally:
-        post(address, "/resume")
+        post(address, "/resume", key=key)
     for t, box in (a, update, b):
         t.join(60)
         assert not t.is_alive() and "err" not in box, box.get("err")
@@ -354,13 +358,14 @@ def test_timeout_is_a_clear_bounded_error(gen, loop):
     address = gen.backend.servers[0].address
     client = VLLMClient([address], request_timeout_s=1.0, api_key=gen.backend.api_key)
     params = sampling_params(GenerationHyperparameters(max_new_tokens=4), [], n=1)
-    assert post(address, "/pause?mode=keep").status_code == 200  # requests queue, nothing runs
+    key = gen.backend.api_key
+    assert post(address, "/pause?mode=keep", key=key).status_code == 200  # requests queue, nothing runs
     t0 = time.monotonic()
     try:
         with pytest.raises(GenerationServerError, match=r"no answer within request_timeout_s=1 s"):
             loop.run(client.generate(PROMPT, params, 1))
     finally:
-        post(address, "/resume")
+        post(address, "/resume", key=key)
         loop.run(client.aclose())
     assert time.monotonic() - t0 < 5
 
@@ -542,3 +547,154 @@ def test_a_launched_vllm_server_wants_the_runs_key(gen):
     assert httpx.post(url, json=body, headers=key, timeout=60, trust_env=False).status_code == 200
     assert gen.backend.api_key not in " ".join(server.cmd)
     assert server.env["VLLM_API_KEY"] == gen.backend.api_key
+
+
+# --------------------------------------------------------------------------- every path keyed
+
+GUARDED_ECHO = """
+import sys, uvicorn
+from areal_guard import KeyGuard
+
+async def echo(scope, receive, send):  # stands for vLLM's routes: 200 and the path, on any path
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": scope["path"].encode()})
+
+uvicorn.run(KeyGuard(echo), host="127.0.0.1", port=int(sys.argv[1]), lifespan="off", log_level="warning")
+"""
+
+
+@pytest.fixture(scope="module")
+def guarded_echo(tmp_path_factory):
+    """Our vLLM key guard around an app that answers 200 on every path, served by uvicorn in vLLM's
+    virtualenv (the way vLLM loads it: from GUARD_DIR on PYTHONPATH), with an API and an admin key."""
+    from arealcli.runtime.wire.guard import GUARD_DIR
+
+    python = require_vllm()
+    port = launcher.free_port("127.0.0.1")
+    env = {**os.environ, "PYTHONPATH": str(GUARD_DIR), "VLLM_API_KEY": "user-k", "AREAL_ADMIN_KEY": "admin-k"}
+    log = tmp_path_factory.mktemp("guard") / "echo.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [python, "-c", GUARDED_ECHO, str(port)], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        try:
+            httpx.get(url + "/health", trust_env=False, timeout=2)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def guarded(url: str, path: str, key: str | bytes | None) -> httpx.Response:
+    headers = {"Authorization": key if isinstance(key, bytes) else f"Bearer {key}"} if key else {}
+    return httpx.post(url + path, headers=headers, timeout=30, trust_env=False)
+
+
+def test_the_vllm_guard_keys_every_path_and_admin_paths_want_the_admin_key(guarded_echo):
+    url = guarded_echo
+    assert httpx.get(url + "/health", trust_env=False, timeout=30).status_code == 200  # probes: no key
+    for path in ("/v1/completions", "/v1/models", "/tokenize", "/invocations", "/ping", "/metrics"):
+        assert guarded(url, path, None).status_code == 401, path
+        assert guarded(url, path, "wrong").status_code == 401, path
+        assert guarded(url, path, "user-k").status_code == 200, path
+        assert guarded(url, path, "admin-k").status_code == 200, path
+    admin = ["/pause", "/resume", "/collective_rpc", "/sleep", "/wake_up", "/reset_prefix_cache"]
+    admin += ["/update_weights", "/server_info", "/v1/load_lora_adapter", "/some/future/endpoint", "/"]
+    for path in admin:
+        assert guarded(url, path, None).status_code == 401, path
+        r = guarded(url, path, "user-k")
+        assert r.status_code == 403 and "admin key" in r.json()["error"]["message"], path
+        assert guarded(url, path, "admin-k").status_code == 200, path
+    for malformed in (b"Basic user-k", b"Bearer", b"user-k", b"Bearer \xff\xfe", b"bearer user-kx"):
+        assert guarded(url, "/v1/models", malformed).status_code == 401, malformed
+    r = guarded(url, "/pause", None)
+    assert r.json()["error"]["code"] == 401 and r.headers["content-type"] == "application/json"
+    assert guarded(url, "/v1/models", b"bearer user-k").status_code == 200  # the scheme is case-blind
+
+
+def test_the_vllm_guard_proves_it_holds_the_key(guarded_echo):
+    from arealcli.runtime.wire.auth import CHALLENGE_HEADER, PROOF_HEADER, fresh_nonce, proof, proves
+
+    nonce = fresh_nonce()
+    r = httpx.get(guarded_echo + "/health", headers={CHALLENGE_HEADER: nonce}, trust_env=False, timeout=30)
+    assert r.status_code == 200 and proves("user-k", nonce, r.headers[PROOF_HEADER])
+    assert r.headers[PROOF_HEADER] == proof("user-k", nonce) != proof("admin-k", nonce)
+    assert PROOF_HEADER not in httpx.get(guarded_echo + "/health", trust_env=False, timeout=30).headers
+
+
+def test_the_vllm_guard_proof_is_the_launchers():
+    """The guard repeats wire/auth.proof (it cannot import arealcli inside vLLM's environment)."""
+    from arealcli.runtime.wire import auth
+    from arealcli.runtime.wire.guard import areal_guard as guard
+
+    for key, nonce in [("k", "n"), (auth.fresh_key(), auth.fresh_nonce()), ("ключ-🔑", "0" * 32)]:
+        assert guard.proof(key, nonce) == auth.proof(key, nonce)
+    assert (guard.CHALLENGE_HEADER, guard.PROOF_HEADER) == (auth.CHALLENGE_HEADER, auth.PROOF_HEADER)
+    assert (guard.API_KEY_ENV, guard.ADMIN_KEY_ENV) == (auth.VLLM_API_KEY_ENV, auth.ADMIN_KEY_ENV)
+    import ast
+
+    tree = ast.parse(Path(guard.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    stdlib = {"__future__", "hashlib", "hmac", "json", "os"}
+    assert imported <= stdlib | {"sglang.srt.entrypoints"}, imported  # and the SGLang app it guards
+    assert (guard.SGLANG_KEY_ENV, guard.WEIGHTS_DIR_ENV) == (auth.API_KEY_ENV, auth.WEIGHTS_DIR_ENV)
+
+
+def test_the_vllm_guard_refuses_to_start_without_a_key():
+    from arealcli.runtime.wire.guard import GUARD_DIR
+
+    python = require_vllm()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"} | {"PYTHONPATH": str(GUARD_DIR)}
+    code = "from areal_guard import KeyGuard; KeyGuard(None)"
+    r = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode != 0 and "VLLM_API_KEY is not set" in r.stderr
+
+
+@slow
+def test_a_launched_vllm_server_keys_every_path_but_health(gen):
+    """vLLM checks its key under /v1 only; with VLLM_SERVER_DEV_MODE=1 its development endpoints (and
+    SageMaker's /invocations) would answer anyone. Our middleware (--middleware) keys them all."""
+    server = gen.backend.servers[0]
+    address, key = server.address, gen.backend.api_key
+    completion = {"prompt": [20, 21], "max_tokens": 1}
+    closed = [
+        ("/pause", None),
+        ("/resume", None),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/tmp"}}),
+        ("/invocations", completion),
+        ("/tokenize", {"prompt": "ab"}),
+        ("/reset_prefix_cache", None),
+        ("/sleep", None),
+        ("/update_weight_version", {"new_version": "666"}),
+    ]
+    for path, body in closed:
+        assert post(address, path, body).status_code == 401, path
+        assert post(address, path, body, key="not-the-key").status_code == 401, path
+    for path in ("/server_info", "/is_paused", "/weight_info", "/metrics", "/version"):
+        assert httpx.get(f"http://{address}{path}", trust_env=False, timeout=60).status_code == 401, path
+    assert httpx.get(f"http://{address}/health", trust_env=False, timeout=60).status_code == 200
+    auth = {"Authorization": f"Bearer {key}"}
+    paused = httpx.get(f"http://{address}/is_paused", headers=auth, trust_env=False, timeout=60)
+    assert paused.status_code == 200 and paused.json() == {"is_paused": False}  # none of the above ran
+    assert post(address, "/tokenize", {"prompt": "ab"}, key=key).status_code == 200
+    assert "--middleware" in server.cmd and "areal_guard.KeyGuard" in server.cmd
+    assert key not in " ".join(server.cmd)
+
+
+@slow
+def test_a_launched_vllm_server_proves_it_holds_the_runs_key(gen):
+    from arealcli.runtime.wire.auth import CHALLENGE_HEADER, PROOF_HEADER, fresh_nonce, proves
+
+    server, nonce = gen.backend.servers[0], fresh_nonce()
+    r = httpx.get(
+        f"http://{server.address}/health", headers={CHALLENGE_HEADER: nonce}, trust_env=False, timeout=60
+    )
+    assert r.status_code == 200 and proves(gen.backend.api_key, nonce, r.headers.get(PROOF_HEADER))
+    assert server.key == gen.backend.api_key and server.key_env == "VLLM_API_KEY"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from arealcli.commands.common import console, err_console, fail
+from arealcli.commands.common import console, err_console, fail, say_error
 from arealcli.commands.serve import Device, Dtype
 from arealcli.errors import UserError
 
@@ -46,6 +46,13 @@ def chat(
     seed: int = typer.Option(
         None, "--seed", metavar="N", help="Local models: seed the sampling (same seed, same replies)."
     ),
+    send_key: bool = typer.Option(
+        False,
+        "--send-key",
+        metavar="",
+        help="URL: send AREAL_API_KEY to it although it is not on this machine (loopback URLs get it "
+        "without this flag).",
+    ),
 ) -> None:
     """Chat in the terminal with a model; plain completion for models without a chat template.
 
@@ -54,6 +61,7 @@ def chat(
     areal chat runs/quickstart --step 200 --model actor
     areal chat ~/models/Qwen2.5-0.5B-Instruct --system "Answer briefly."
     areal chat http://127.0.0.1:30000 --max-new-tokens 64
+    AREAL_API_KEY=... areal chat https://gpu7.example.org:30000 --send-key
 
     A line ending in \\ continues the message; /reset, /history, /exit (or Ctrl-D).
     With stdin piped, each message's reply is printed as plain text.
@@ -66,9 +74,11 @@ def chat(
         if is_url(target):
             if step is not None:
                 raise UserError("--step chooses a checkpoint of a run directory, not of a URL")
-            from arealcli.runtime.serve.chat import RemoteChat
+            from arealcli.runtime.serve.chat import RemoteChat, key_withheld, withheld_note
 
-            engine = RemoteChat(target, model)
+            if key_withheld(target, send_key):
+                say_error(withheld_note(target), title="note")
+            engine = RemoteChat(target, model, send_key=send_key)
         else:
             found = find_model(Path(target).expanduser(), model, step)
             from arealcli.runtime.serve.chat import LocalChat

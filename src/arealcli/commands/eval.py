@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from arealcli.commands.common import console, err_console, fail
+from arealcli.commands.common import console, err_console, fail, say_error
 from arealcli.commands.serve import Device
 from arealcli.errors import UserError
 
@@ -86,6 +86,12 @@ def eval_(
     output: Path = typer.Option(
         None, "--output", "-o", metavar="FILE", help="Write results here (JSON), and the samples beside it."
     ),
+    send_key: bool = typer.Option(
+        False,
+        "--send-key",
+        metavar="",
+        help="URLs: send AREAL_API_KEY to those not on this machine too (loopback URLs get it always).",
+    ),
 ) -> None:
     """Evaluate models on held-out prompts: greedy accuracy, avg@k, pass@k, maj@k.
 
@@ -140,10 +146,11 @@ def eval_(
     if plan.greedy is None and plan.sampled is None:
         raise fail(["nothing to evaluate: --no-greedy and --n 0"])
     binary = reward_is_binary(plan.reward)
+    _say_withheld_key([s.target for s in setup if s.found is None], send_key)
     reports = []
     for s in setup:
         try:
-            results = _run_one(s, settings, plan, device.value)
+            results = _run_one(s, settings, plan, device.value, send_key)
         except UserError as e:
             raise fail(e.lines) from None
         metrics = summarize(results, ks, binary, seed=seed)
@@ -164,6 +171,15 @@ def eval_(
                 "targets": [s.label for s in setup],
             },
         )
+
+
+def _say_withheld_key(urls: list[str], send_key: bool) -> None:
+    """One line on stderr when AREAL_API_KEY is not sent to a URL target (not on this machine)."""
+    from arealcli.runtime.serve.chat import key_withheld, withheld_note
+
+    withheld = [url for url in urls if key_withheld(url, send_key)]
+    if withheld:
+        say_error(withheld_note(", ".join(withheld)), title="note")
 
 
 def _ks(k: str | None, n: int) -> list[int]:
@@ -236,6 +252,20 @@ def _actor_args(recipe) -> Any:
     return None
 
 
+def _needs_answers(target: str, kind: str) -> None:
+    """A run's eval_dataset without answers (a chat SFT run's conversations) has nothing to score: say so
+    and what to give instead, before a model is loaded."""
+    from arealcli.schema.registry import dataset_keys
+
+    keys = dataset_keys({"type_": kind})
+    if keys is not None and "answers" not in keys:
+        raise UserError(
+            f"{target}: its recipe's eval_dataset ({kind}) has no answers to score (its rows give "
+            f"{', '.join(sorted(keys))}); give --data with prompts and answers (a JSONL file of "
+            '{"prompt": ..., "answer": ...} rows, a folder or a Hub dataset)'
+        )
+
+
 def _settings(
     s, data, reward, max_new_tokens, batch_size, limit, split, prompt_key, answer_key, chat, use_workflow
 ):
@@ -262,6 +292,7 @@ def _settings(
         raise UserError(f"{s.target}: its recipe has no eval_dataset; give --data")
     else:
         spec = recipe.eval_dataset
+        _needs_answers(s.target, spec.type_)
         dataset = {
             "type_": spec.type_,
             "args": spec.args.model_dump(mode="json"),
@@ -290,7 +321,7 @@ def _settings(
     }
 
 
-def _run_one(s, settings, plan, device: str):
+def _run_one(s, settings, plan, device: str, send_key: bool = False):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from arealcli.runtime.data.datasets import Batches
@@ -323,7 +354,7 @@ def _run_one(s, settings, plan, device: str):
             "run their tools in this process: evaluate a checkpoint, or pass --no-workflow"
         )
     else:
-        target = RemoteTarget(s.target, tok)
+        target = RemoteTarget(s.target, tok, send_key=send_key)
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -373,6 +404,25 @@ def _table(reports) -> None:
         for label, metrics, _ in reports:
             table.add_row(_short(label), *(_fmt(m, metrics[m]) for m in cols))
     console.print(table)
+    note = _footer(cols)
+    if note:
+        console.print(Text(note, style="dim"))
+
+
+def _footer(cols: list[str]) -> str | None:
+    """What the sampled scores mean, under the table: avg@k and pass@k differ even at k = 1 (avg@k
+    reads the first k samples, pass@k all n), which a reader otherwise takes for a bug."""
+    parts = []
+    if any(c.startswith("avg@") for c in cols):
+        parts.append("avg@k: mean reward of each prompt's first k samples")
+    if any(c.startswith("pass@") for c in cols):
+        parts.append("pass@k: chance that k of all n samples hold a correct one (unbiased estimator)")
+    if any(c.startswith("maj@") for c in cols):
+        parts.append("maj@k: majority answer of the first k samples is correct")
+    if not parts:
+        return None
+    tail = "; avg@1 and pass@1 differ by sampling noise" if {"avg@1", "pass@1"} <= set(cols) else ""
+    return "; ".join(parts) + tail + "."
 
 
 def _write(output: Path, reports, config: dict[str, Any]) -> None:

@@ -28,10 +28,12 @@ from arealcli.runtime.run.session import (
     RUN_MARKER,
     StopSignals,
     Terminated,
+    apply_permissions,
     check_resume,
     data_parallel_size,
     has_results,
     prepare_run_dir,
+    restores_umask,
     run_dir_for,
 )
 from arealcli.schema.paths import path_problems
@@ -63,7 +65,8 @@ class Invocation:
         return shlex.join(["areal", "train", *args, *self.launch_flags])
 
     def command(self) -> str:
-        """This invocation, as typed (relative paths as given)."""
+        """This invocation in one order (recipe, overrides, -o, --resume, launch flags; relative paths as
+        given; --overwrite left out): what commands.log records."""
         out = ["-o", str(self.run_dir)] if self.run_dir != self.default_run_dir else []
         resume = ["--resume"] if self.resumed else []
         return shlex.join(
@@ -174,6 +177,7 @@ def _say_failure(failure, job: Invocation) -> None:
     _say_stop(stop_message("stopped", job))
 
 
+@restores_umask
 def train(
     recipe: Path = recipe_argument(),
     overrides: list[str] = overrides_argument(),
@@ -247,6 +251,7 @@ def train(
     if problems:
         raise fail([f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems])
     run_dir = run_dir_for(resolved, output_dir)
+    apply_permissions(resolved.trainer.permissions)  # before anything is written (workers inherit it)
     if launcher != "local":
         from arealcli.commands.train_cluster import launch_cluster
 
@@ -272,7 +277,7 @@ def train(
     job = Invocation(recipe, overrides or [], run_dir, run_dir_for(resolved, None), launch_flags, resume)
     if node_rank == 0 and os.environ.get(PREPARED_ENV) != "1":  # node 0's (shared with the other nodes)
         try:
-            replaced = prepare_run_dir(run_dir, resume, overwrite)
+            replaced = prepare_run_dir(run_dir, resume, overwrite, resolved.trainer.permissions)
             notes = check_resume(resolved, recipe.resolve().parent, run_dir) if resume else []
         except UserError as e:
             raise fail(e.lines) from None
@@ -314,6 +319,7 @@ def train(
 
 def train_here(resolved, recipe: Path, job: Invocation, resume: bool) -> None:
     from arealcli.runtime.console.report import summary_lines
+    from arealcli.runtime.models import flops
     from arealcli.runtime.run.driver import Display, attempt_of, run
     from arealcli.runtime.run.failures import Recovery, failure_of
 
@@ -353,7 +359,7 @@ def train_here(resolved, recipe: Path, job: Invocation, resume: bool) -> None:
         return
     steps = result.global_step - (first_start if first_start is not None else result.start_step)
     say(f"done: {steps} steps; run directory {job.run_dir}")
-    header(console, summary_lines(job.run_dir, spent, steps))
+    header(console, summary_lines(job.run_dir, spent, steps, peaks=flops.peaks))
 
 
 def _dry_run(resolved, recipe: Path, run_dir: Path, resume: bool, overwrite: bool) -> None:

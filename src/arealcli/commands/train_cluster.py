@@ -41,7 +41,7 @@ def launch_cluster(resolved, job, flags) -> None:
             say(f"  {line}")
         return
     try:
-        replaced = prepare_run_dir(job.run_dir, flags.resume, flags.overwrite)
+        replaced = prepare_run_dir(job.run_dir, flags.resume, flags.overwrite, resolved.trainer.permissions)
         notes = check_resume(resolved, job.recipe.resolve().parent, job.run_dir) if flags.resume else []
     except UserError as e:
         raise fail(e.lines) from None

@@ -239,6 +239,13 @@ class TrainerSpec(StrictModel):
         description="What `areal train` does when training fails (a crashed process, a reward function "
         "raising, generation servers given up): restart from the last checkpoint by itself.",
     )
+    permissions: Literal["private", "group"] = Field(
+        "private",
+        description="Who may read what the run writes (checkpoints, samples, logs, recipe.yaml, "
+        "commands.log). private: you alone (the run directory and its folders 0700, files 0600); group: "
+        "your group too, read-only (0750 and 0640), for a team folder. Applied as the umask of `areal "
+        "train`, so its workers and launched servers write the same way.",
+    )
 
 
 class RolloutSpec(StrictModel):

@@ -23,6 +23,7 @@ SAFE = (
     "trainer.save_every_n_steps",
     "trainer.keep_last_n_checkpoints",
     "trainer.tensorboard",
+    "trainer.permissions",  # who may read the run's files, not what it trains
     "output_dir",
     "models.*.backend.args.addresses",
     "models.*.backend.args.addresses.*",

@@ -4,9 +4,11 @@ Connect to running servers (`addresses: [host:port, ...]`) or start them (`launc
 `python -m vllm.entrypoints.openai.api_server` from `python_executable`, with `VLLM_SERVER_DEV_MODE=1` and
 `--logprobs-mode processed_logprobs`). Launched servers load the model's initial weights, exported to
 `<run_dir>/weights/<model>/init`, log to `<run_dir>/servers/<model>-<i>.log` and stop on destroy (or when
-the trainer process dies). Like `sglang`, the engine only generates; it follows another model's weights
-(`weights_from`) by an in-place reload from the exported directory (see runtime/clients/vllm.py for
-the endpoints and what happens to requests in flight).
+the trainer process dies). They are keyed on every path but /health by a middleware of ours
+(runtime/wire/guard; vLLM itself checks its key under /v1 only), which also proves to the launcher
+that the server holds the run's key before the key is sent to it. Like `sglang`, the engine only
+generates; it follows another model's weights (`weights_from`) by an in-place reload from the exported
+directory (see runtime/clients/vllm.py for the endpoints and what happens to requests in flight).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from arealcli.runtime.engines.inference import EventLoopThread, InferenceEngine
 from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.models.weights import export_hf
 from arealcli.runtime.wire.auth import VLLM_API_KEY_ENV, fresh_key
+from arealcli.runtime.wire.guard import GUARD_DIR, MIDDLEWARE
 from arealcli.schema.checks.placement import compact
 from arealcli.schema.components.backends import VLLMBackendArgs, share
 
@@ -68,6 +71,7 @@ def server_command(args: VLLMBackendArgs, python: str, model_path: str, port: in
         cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    cmd += ["--middleware", MIDDLEWARE]  # the key on every path (loaded from GUARD_DIR: server_env)
     return cmd + list(args.extra_args)
 
 
@@ -75,8 +79,13 @@ def server_env(args: VLLMBackendArgs, index: int) -> dict[str, str]:
     """Dev endpoints on (weight updates); with several servers, server i gets GPUs i*tp ... (i+1)*tp-1
     of those visible (with `devices`, the launcher gives it its share instead). With `cpus`, vLLM's CPU
     workers bind their OpenMP threads to the server's share (one part per tensor-parallel rank) instead
-    of choosing cores themselves."""
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    of choosing cores themselves. PYTHONPATH starts with the folder of our key guard (--middleware), which
+    vLLM's own Python environment imports from there (arealcli is not installed in it)."""
+    inherited = os.environ.get("PYTHONPATH")
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "PYTHONPATH": str(GUARD_DIR) + (os.pathsep + inherited if inherited else ""),
+    }
     cpus = args.server_cpus(index)
     if cpus:
         tp = args.tensor_parallel_size

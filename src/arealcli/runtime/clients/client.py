@@ -35,6 +35,7 @@ from arealcli.runtime.engines.inference import (  # noqa: F401  (Sample, EventLo
     GenerationServerError,
     GroupGenerator,
     Sample,
+    abandon,
 )
 from arealcli.runtime.wire.auth import bearer
 from arealcli.runtime.wire.sglang import Completion, generate_payload, parse_completion
@@ -212,7 +213,10 @@ class GenerationClient(GroupGenerator):
                 done, _ = await asyncio.wait({task}, timeout=self.health_interval_s)
                 if done:
                     return task.result()
-                if time.monotonic() - await self._healthy_at(s) > self.stall_timeout_s:
+                stalled = time.monotonic() - await self._healthy_at(s) > self.stall_timeout_s
+                if task.done():  # it ended while /health was probed: its own outcome is the answer
+                    return task.result()
+                if stalled:
                     if not self._supervised(s):
                         s.stale = True
                     raise _Retryable(
@@ -221,8 +225,7 @@ class GenerationClient(GroupGenerator):
                         stalled=True,
                     )
         finally:
-            if not task.done():
-                task.cancel()
+            abandon(task)
 
     async def _healthy_at(self, s: _Server) -> float:
         """When `s` last answered /health; probes it (one probe at a time, shared) when due."""
@@ -235,9 +238,10 @@ class GenerationClient(GroupGenerator):
         return s.healthy_at
 
     async def _probe(self, s: _Server) -> None:
+        """One /health probe (a task nobody may await: it never raises). Any failure is no answer."""
         try:
             answer = await self._send("GET", s.url + "/health", timeout=self.health_interval_s)
-        except (_Retryable, TimeoutError):
+        except Exception:  # noqa: BLE001  (refused, reset, timed out, the session closed: not healthy)
             return
         if answer.status == 200:
             s.healthy_at = time.monotonic()
@@ -356,6 +360,13 @@ class GenerationClient(GroupGenerator):
         except (_Retryable, TimeoutError) as e:
             s.stale = True
             self.fatal = GenerationServerError(f"generation server {label} failed right after a restart: {e}")
+            return
+        except Exception as e:  # noqa: BLE001  (a task nobody awaits: its failure becomes every request's)
+            s.stale = True
+            self.fatal = GenerationServerError(
+                f"generation server {label} could not be restarted: {type(e).__name__}: {e}"
+            )
+            self.fatal.__cause__ = e
             return
         lost = time.monotonic() - t0
         self.restarts += 1

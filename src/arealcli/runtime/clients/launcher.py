@@ -9,6 +9,13 @@ Placement: with `cpus`, server i runs on its share of them (its CPU affinity, se
 the server program starts; an embedded server also takes one torch thread per core); without, on the
 cores the trainer had before its own placement pinned it. With `devices`, it sees only its share of the
 GPUs (CUDA_VISIBLE_DEVICES, ids counted among the GPUs visible here).
+
+Keys: a server's key reaches it through its environment only, and the launcher sends it nowhere before
+the server has proved it holds it: `GET /health` with a fresh nonce (CHALLENGE_HEADER, no key) must come
+back 200 with proof(key, nonce) (PROOF_HEADER). A process that took the port first cannot answer so; the
+launcher keeps asking until the real server answers or the startup time is up. Key variables of the
+trainer's own environment (AREAL_*, VLLM_API_KEY, the cluster key) never reach a server: it gets the
+run's, or none.
 """
 
 from __future__ import annotations
@@ -27,7 +34,16 @@ from typing import IO
 
 import httpx
 
-from arealcli.runtime.wire.auth import API_KEY_ENV
+from arealcli.runtime.wire.auth import (
+    API_KEY_ENV,
+    CHALLENGE_HEADER,
+    PROOF_HEADER,
+    VLLM_API_KEY_ENV,
+    WEIGHTS_DIR_ENV,
+    fresh_nonce,
+    proves,
+)
+from arealcli.runtime.wire.guard import GUARD_DIR
 from arealcli.schema.checks.placement import UNPLACED_CPUS_ENV, parse_ids
 from arealcli.schema.components.backends import SGLangBackendArgs, VLLMBackendArgs
 from arealcli.schema.components.engine import MAX_SAMPLES_PER_PROMPT
@@ -46,6 +62,16 @@ class ServerProcess:
     cmd: list[str] = field(default_factory=list)  # how it was started: a restart runs the same again
     env: dict[str, str] = field(default_factory=dict)
     cpus: set[int] | None = None
+    key_env: str | None = None  # the variable of `env` that holds its key (None: an unkeyed server)
+
+    @property
+    def key(self) -> str | None:
+        """The key the server was given (what it must prove it holds before it is used)."""
+        return self.env.get(self.key_env) if self.key_env else None
+
+    @property
+    def port(self) -> str:
+        return self.address.rsplit(":", 1)[1]
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -69,9 +95,14 @@ def free_port(host: str) -> int:
 
 
 # `python -m sglang.launch_server ARGS`, given its --api-key from the environment (AREAL_API_KEY) inside
-# the process: the key is never on a command line, which every user of the machine can read (`ps`).
+# the process: the key is never on a command line, which every user of the machine can read (`ps`). Before
+# SGLang starts, our guard (wire/guard/areal_guard.py, standalone: SGLang's Python may lack arealcli) is
+# added to SGLang's app: it answers the launcher's /health challenge with the proof of the key, and lets
+# weight updates load only from below AREAL_WEIGHTS_DIR (the run's weights folder).
 SGLANG_WITH_KEY = (
-    f"import os, runpy, sys; key = os.environ.pop('{API_KEY_ENV}', None); "
+    f"import os, runpy, sys; sys.path.insert(0, {str(GUARD_DIR)!r}); import areal_guard; "
+    f"key = os.environ.pop('{API_KEY_ENV}', None); "
+    f"areal_guard.guard_sglang(key, os.environ.pop('{WEIGHTS_DIR_ENV}', None)); "
     "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key', key] if key else []); "
     "runpy.run_module('sglang.launch_server', run_name='__main__')"
 )
@@ -140,6 +171,24 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
     return setup
 
 
+# Variables of the trainer's environment that would give a server a key of their own (`areal serve` reads
+# AREAL_API_KEY / AREAL_ADMIN_KEY, vLLM VLLM_API_KEY; the run's cluster key): a server gets the run's or none.
+# An inherited admin key, say, would make the run's own weight updates fail with 403.
+KEY_PREFIXES = ("AREAL_",)
+KEY_VARIABLES = frozenset({VLLM_API_KEY_ENV, "AREALCLI_CLUSTER_KEY"})  # run.launch.CLUSTER_KEY_ENV
+
+
+def child_env(secrets: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment without its key variables (KEY_PREFIXES, KEY_VARIABLES), plus `secrets`."""
+    env = {k: v for k, v in os.environ.items() if not (k.startswith(KEY_PREFIXES) or k in KEY_VARIABLES)}
+    return {**env, "PYTHONUNBUFFERED": "1", **(secrets or {})}
+
+
+def key_variable(secrets: dict[str, str] | None) -> str | None:
+    """Which of `secrets` is the key a server proves it holds (vLLM's own variable, else ours)."""
+    return next((k for k in (VLLM_API_KEY_ENV, API_KEY_ENV) if secrets and secrets.get(k)), None)
+
+
 def visible_devices(devices: list[int]) -> str:
     """CUDA_VISIBLE_DEVICES for GPUs given as indices among those visible to this process."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -174,7 +223,8 @@ def launch(
 ) -> list[ServerProcess]:
     """Start `args.num_servers` servers; `command(port, index)` and `extra_env(index)` override the
     sglang/embedded command line and add environment variables (other server kinds, e.g. vllm).
-    `secrets` (an API key) go to every server through its environment only, never its command line."""
+    `secrets` (an API key) go to every server through its environment only, never its command line; key
+    variables this process inherited do not (child_env). The servers are not usable before wait_ready."""
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: list[ServerProcess] = []
     for i in range(args.num_servers):
@@ -185,18 +235,19 @@ def launch(
         else:
             assert isinstance(args, SGLangBackendArgs)
             cmd = server_command(args, model_path, port, i)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = child_env(None)
         cpus, devices = args.server_cpus(i), args.server_devices(i)
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(devices)
         env.update(extra_env(i) if extra_env is not None else {})
-        env.update(secrets or {})
+        env.update(secrets or {})  # last: extra_env cannot replace the run's key
         if cpus:
             check_cpus(cpus)
         elif os.environ.get(UNPLACED_CPUS_ENV):  # not the trainer's cores it was started from
             cpus = sorted(parse_ids(os.environ[UNPLACED_CPUS_ENV]))
         try:
-            servers.append(_start(f"{args.host}:{port}", cmd, env, set(cpus) if cpus else None, log_path))
+            cpu_set = set(cpus) if cpus else None
+            servers.append(_start(f"{args.host}:{port}", cmd, env, cpu_set, log_path, key_variable(secrets)))
         except LaunchError:
             stop(servers)
             raise
@@ -204,7 +255,12 @@ def launch(
 
 
 def _start(
-    address: str, cmd: list[str], env: dict[str, str], cpus: set[int] | None, log_path: Path
+    address: str,
+    cmd: list[str],
+    env: dict[str, str],
+    cpus: set[int] | None,
+    log_path: Path,
+    key_env: str | None = None,
 ) -> ServerProcess:
     log = open(log_path, "ab")  # noqa: SIM115  (closed in stop())
     log.write(("$ " + " ".join(cmd) + "\n").encode())
@@ -222,7 +278,7 @@ def _start(
     except OSError as e:
         log.close()
         raise LaunchError(f"cannot run {cmd[0]}: {e}") from None
-    return ServerProcess(address, proc, log_path, log, cmd, env, cpus)
+    return ServerProcess(address, proc, log_path, log, cmd, env, cpus, key_env)
 
 
 def restart(server: ServerProcess, startup_timeout_s: float, why: str) -> ServerProcess:
@@ -233,7 +289,7 @@ def restart(server: ServerProcess, startup_timeout_s: float, why: str) -> Server
     server.proc.wait()
     server.log_file.write(f"\n# arealcli: restarting this server: {why}\n".encode())
     server.log_file.close()
-    fresh = _start(server.address, server.cmd, server.env, server.cpus, server.log_path)
+    fresh = _start(server.address, server.cmd, server.env, server.cpus, server.log_path, server.key_env)
     try:
         wait_ready([fresh], startup_timeout_s)
     except LaunchError:
@@ -243,28 +299,72 @@ def restart(server: ServerProcess, startup_timeout_s: float, why: str) -> Server
 
 
 def wait_ready(servers: list[ServerProcess], timeout_s: float) -> None:
-    """Poll every server's /health until all answer 200; a dead process or the timeout is an error."""
+    """Poll every server's /health until each answers 200 and, when it has a key, proves it holds that key
+    (see the module's docstring); a dead process or the timeout is an error. No request of this function
+    carries a key: until a server has proved itself, another process may hold its port."""
     deadline = time.monotonic() + timeout_s
     pending = list(servers)
+    impostors: set[str] = set()  # addresses where something answered without the proof
     with httpx.Client(timeout=2.0, trust_env=False) as client:
         while pending:
             for s in list(pending):
                 if s.exited() is not None:
-                    raise LaunchError(
-                        f"generation server {s.address} exited with code {s.exited()} while starting; "
-                        f"log {s.log_path} ends with:\n{s.log_tail()}"
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"http://{s.address}/health").status_code == 200:
-                        pending.remove(s)
+                    raise LaunchError(_exited(s, s.address in impostors))
+                answer = identify(client, s)
+                if answer == "ready":
+                    pending.remove(s)
+                elif answer == "impostor":
+                    impostors.add(s.address)
             if pending and time.monotonic() > deadline:
-                s = pending[0]
-                raise LaunchError(
-                    f"generation server {s.address} did not answer /health within startup_timeout_s="
-                    f"{timeout_s:g} s; log {s.log_path} ends with:\n{s.log_tail()}"
-                )
+                raise LaunchError(_timed_out(pending[0], timeout_s, pending[0].address in impostors))
             if pending:
                 time.sleep(0.2)
+
+
+def identify(client: httpx.Client, s: ServerProcess) -> str | None:
+    """What answers `s`'s /health: "ready" (200, and with a key a valid proof of it), "impostor" (an answer
+    without the proof, or with a wrong one: whatever holds the port), or None (no answer yet)."""
+    key, nonce = s.key, fresh_nonce()
+    try:
+        r = client.get(f"http://{s.address}/health", headers={CHALLENGE_HEADER: nonce} if key else {})
+    except httpx.HTTPError:
+        return None
+    if key is None:
+        return "ready" if r.status_code == 200 else None
+    answer = r.headers.get(PROOF_HEADER)
+    if proves(key, nonce, answer):
+        return "ready" if r.status_code == 200 else None
+    return "impostor" if r.status_code == 200 or answer is not None else None
+
+
+def _exited(s: ServerProcess, impostor: bool) -> str:
+    """Why a server's process ended while starting: its exit code, a taken port said plainly, its log."""
+    tail = s.log_tail()
+    answered = f"answered /health on port {s.port} without proving it holds the run's key"
+    answered += " (the key was not sent there)"
+    if "address already in use" in tail.lower():
+        why = f"; port {s.port} is taken: another process listens on {s.address}"
+        why += (f" and {answered}" if impostor else "") + "; stop it, or use another port"
+    else:
+        why = f"; another process {answered}" if impostor else ""
+    return (
+        f"generation server {s.address} exited with code {s.exited()} while starting{why}; "
+        f"log {s.log_path} ends with:\n{tail}"
+    )
+
+
+def _timed_out(s: ServerProcess, timeout_s: float, impostor: bool) -> str:
+    if impostor:
+        return (
+            f"generation server {s.address}: another process answers on port {s.port} without proving it "
+            f"holds the run's key, and the server did not take the port within startup_timeout_s="
+            f"{timeout_s:g} s; the key was not sent there. Stop that process or use another port; log "
+            f"{s.log_path} ends with:\n{s.log_tail()}"
+        )
+    return (
+        f"generation server {s.address} did not answer /health within startup_timeout_s="
+        f"{timeout_s:g} s; log {s.log_path} ends with:\n{s.log_tail()}"
+    )
 
 
 def stop(servers: list[ServerProcess], grace_s: float = 10.0) -> None:

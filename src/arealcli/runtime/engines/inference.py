@@ -74,7 +74,7 @@ class GroupGenerator:
     ) -> list[list[Completion]]:
         """The first request of several groups; by default each on its own (the local generator sends
         them together, so that they form one batch)."""
-        return list(await asyncio.gather(*(self.request(p, params, n) for p, params, n in groups)))
+        return await all_or_none([self.request(p, params, n) for p, params, n in groups])
 
     async def generate(self, prompt: list[int], params: dict[str, Any], n: int) -> list[Sample]:
         """`n` samples of one prompt; aborted samples are re-sent until they finish."""
@@ -86,14 +86,16 @@ class GroupGenerator:
         for (_, _, n), completions in zip(groups, firsts, strict=True):
             if len(completions) != n:
                 raise GenerationServerError(f"a request for n={n} samples returned {len(completions)}")
-        return list(
-            await asyncio.gather(
-                *(
-                    asyncio.gather(*(self._finish(prompt, params, c) for c in completions))
-                    for (prompt, params, _), completions in zip(groups, firsts, strict=True)
-                )
-            )
-        )
+        finishes = [
+            (i, self._finish(prompt, params, c))
+            for i, ((prompt, params, _), completions) in enumerate(zip(groups, firsts, strict=True))
+            for c in completions
+        ]
+        samples = await all_or_none([coro for _, coro in finishes])
+        out: list[list[Sample]] = [[] for _ in groups]
+        for (i, _), sample in zip(finishes, samples, strict=True):
+            out[i].append(sample)
+        return out
 
     async def _finish(self, prompt: list[int], params: dict[str, Any], c: Completion) -> Sample:
         ids, lps, versions, resends = list(c.output_ids), list(c.logprobs), [c.weight_version], 0
@@ -122,6 +124,33 @@ class GroupGenerator:
             versions.append(c.weight_version)
             pieces.append(len(c.output_ids))
         return Sample(ids, lps, c.finish_type, versions, pieces, resends)
+
+
+async def all_or_none(coros: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """The results of `coros`, run together, in order. The first failure is raised and the others are
+    cancelled (their work is no longer wanted) and abandoned: nothing goes on running, and nothing
+    fails later unseen ("Task exception was never retrieved")."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            abandon(task)
+        raise
+
+
+def abandon(task: asyncio.Future) -> None:
+    """Drop a task whose outcome is no longer wanted: cancelled if it still runs, and the failure it
+    ended with (or ends with, should it not heed the cancellation) retrieved here, so that asyncio never
+    prints it as "never retrieved": whoever abandons it has reported what went wrong."""
+    if not task.done():
+        task.cancel()
+    task.add_done_callback(_retrieve)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 @dataclass

@@ -107,10 +107,17 @@ class LocalTarget(EngineTarget):
 class RemoteTarget:
     """An OpenAI-compatible server (`areal serve`, vLLM, SGLang): `/v1/completions` with token-id prompts."""
 
-    def __init__(self, url: str, tokenizer: Any, model: str | None = None, concurrency: int = 16):
+    def __init__(
+        self,
+        url: str,
+        tokenizer: Any,
+        model: str | None = None,
+        concurrency: int = 16,
+        send_key: bool = False,
+    ):
         from arealcli.runtime.serve.chat import RemoteChat
 
-        self.chat = RemoteChat(url, model)  # checks the server answers and names its model
+        self.chat = RemoteChat(url, model, send_key=send_key)  # checks the server answers, names its model
         self.tokenizer, self.concurrency = tokenizer, concurrency
 
     def _one(self, prompt: list[int], g: GenerationHyperparameters, n: int) -> list[Generated]:

@@ -4,8 +4,13 @@
           adapter_config.json,          the LoRA adapters alone (peft's layout) over the base model
           adapter_model.safetensors
           tokenizer files, generation_config.json (the recipe's sampling settings for this model)
-          recipe.yaml, report.png       the run's resolved recipe and its plot (when it has one)
+          recipe.yaml, report.png       the run's resolved recipe (`public_recipe`: no local absolute
+                                        path or address) and its plot (when it has one)
           README.md                     the model card (`model_card`)
+
+Published as made: the folder and its files get the user's own umask (usually readable by all), not
+the run's private modes (`trainer.permissions`): an export exists to be shared, and holds the weights,
+tokenizer, the recipe and the card, never the run's samples, logs or data.
 
 Written to a temporary folder beside OUT, then renamed: OUT is complete or absent. OUT must be empty or
 absent; with `force`, a folder an earlier export wrote (its README says so) is replaced. Nothing else is
@@ -20,9 +25,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from arealcli.errors import UserError
 from arealcli.runtime.run.checkpoint import verify_checkpoint
-from arealcli.runtime.run.model_card import CARD_MARK, model_card
+from arealcli.runtime.run.model_card import CARD_MARK, model_card, public_recipe
 from arealcli.runtime.run.targets import ModelCheckpoint, generate_calls, run_recipe, saved_source
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -82,8 +89,9 @@ def export(found: ModelCheckpoint, out: Path, adapter: bool = False, force: bool
         if not any((tmp / f).is_file() for f in TOKENIZER_FILES):
             _write_tokenizer(recipe, found.model, tmp)
         _write_generation_config(found, recipe, tmp)
-        if (found.run_dir / "recipe.yaml").is_file():
-            shutil.copyfile(found.run_dir / "recipe.yaml", tmp / "recipe.yaml")
+        if (found.run_dir / "recipe.yaml").is_file():  # as the card shows it: no local path or address
+            shown = yaml.safe_dump(public_recipe(recipe, found.run_dir), sort_keys=False)
+            (tmp / "recipe.yaml").write_text(shown)
         if (found.run_dir / "report.png").is_file():
             shutil.copyfile(found.run_dir / "report.png", tmp / "report.png")
         (tmp / "README.md").write_text(model_card(found, recipe, adapter, tmp))

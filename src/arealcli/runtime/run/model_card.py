@@ -1,12 +1,21 @@
 """The model card (`README.md`) of an exported model: what was trained, from which base, on which data,
 with which recipe and command, for how many steps, and its held-out scores over training (from the run's
 `metrics.jsonl`, up to the exported step), with the Hub's metadata block on top.
+
+A card is written to be published, so it shows no local absolute path, host name or address: paths
+under the folder the run was started from are shown relative to it, the run's own files as `<run>/...`,
+other local paths by their last name (`<local>/NAME`), and server addresses and host names (`addresses`,
+`host`, URLs, IP addresses, `--master-addr`) as `<address>` (`public_recipe`, `public_command`).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
+import os
+import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +29,169 @@ MAX_ROWS = 25  # held-out rows shown; more are thinned evenly (first and last ke
 
 
 def model_card(found: ModelCheckpoint, recipe: dict[str, Any], adapter: bool, folder: Path) -> str:
-    """The card of the export being written in `folder` (its other files are there already)."""
+    """The card of the export being written in `folder` (its other files are there already). `recipe`
+    is the run's own; the card shows its `public_recipe`."""
     assert found.run_dir is not None and found.model is not None and found.step is not None
-    models = recipe.get("models") or {}
-    spec = models.get(found.model) or {}
+    spec = (recipe.get("models") or {}).get(found.model) or {}  # (the Hub names in it are not local)
+    shown = public_recipe(recipe, found.run_dir)
+    shown_spec = (shown.get("models") or {}).get(found.model) or {}
     rows = [r for r in read_metrics(found.run_dir) if isinstance(r.get("step"), int)]
-    experiment = recipe.get("experiment") or found.run_dir.name
+    experiment = shown.get("experiment") or found.run_dir.name
     parts = [
         _front_matter(recipe, spec, adapter),
         f"{CARD_MARK}: `areal export --force` may replace this folder -->\n",
         f"# {experiment}: model `{found.model}` at step {found.step}\n",
-        _summary(recipe, found, adapter),
-        _facts(recipe, spec, found, rows, adapter),
+        _summary(shown, found, adapter),
+        _facts(shown, shown_spec, found, rows, adapter),
         _results(rows, found.step),
     ]
     if (folder / "report.png").is_file():
         parts.append("## Training curves\n\n![metrics of the run over training](report.png)\n")
-    parts += [_usage(adapter, tokenizer_class(folder)), _reproduce(recipe, _commands(found.run_dir))]
+    parts += [_usage(adapter, tokenizer_class(folder)), _reproduce(shown, _commands(found.run_dir))]
     return "\n".join(parts)
+
+
+# ------------------------------------------------------------------ what a published card may show
+
+ADDRESS = "<address>"
+RUN = "<run>"
+LOCAL = "<local>"
+_LOCAL_HOSTS = ("localhost", "0.0.0.0", "::")  # (and the loopback addresses): they point nowhere else
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)(\[[^\]]*\]|[^/\s'\"?#]+)")
+_IPV4 = re.compile(r"(?<![\w.])\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?(?![\w.])")
+_ADDRESS_FLAGS = ("--master-addr", "--address", "--nodelist", "--exclude", "-w", "-x")
+
+
+def _is_address_key(key: str) -> bool:
+    """A recipe key, an override's or a flag's name that holds host names or addresses."""
+    key = key.lower().rsplit(".", 1)[-1].lstrip("-")
+    return any(word in key for word in ("addr", "host", "url", "nodelist", "exclude"))
+
+
+def _local_host(text: str) -> bool:
+    """A host (or host:port) that names this machine only: loopback, or every interface."""
+    host = text.strip()
+    if host.startswith("[") and "]" in host:
+        host = host[1 : host.index("]")]
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    if host.lower() in _LOCAL_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Scrub:
+    """Rewrites local paths and addresses for publication (see the module docstring)."""
+
+    def __init__(self, run_dir: Path | None, start: Path | None):
+        self.bases: list[tuple[Path, str | None]] = []  # (folder, shown as); None: relative to it
+        for folder, shown in ((start, None), (run_dir, RUN)):
+            if folder is not None:
+                for variant in {Path(os.path.abspath(folder)), folder.resolve()}:
+                    self.bases.append((variant, shown))
+
+    def path(self, text: str) -> str:
+        """An absolute (or ~) path: relative to the start folder, under `<run>`, or `<local>/NAME`."""
+        full = Path(os.path.normpath(os.path.expanduser(text)))
+        for base, shown in self.bases:
+            if full == base or base in full.parents:
+                rel = full.relative_to(base).as_posix()
+                if shown is None:
+                    return rel
+                return shown if rel == "." else f"{shown}/{rel}"
+        return f"{LOCAL}/{full.name}" if full.name else LOCAL
+
+    def token(self, token: str, key: str = "") -> str:
+        """One word of a value or a command: a path, `NAME=VALUE`, or text with URLs and IPs."""
+        if key and _is_address_key(key):
+            return self.address(token)
+        if token.startswith(("/", "~/")):
+            return self.path(token)
+        name, eq, value = token.partition("=")
+        if eq and name and not name.startswith(("/", "~")):
+            if _is_address_key(name):
+                return f"{name}={ADDRESS}"
+            if value.startswith(("/", "~/")):
+                return f"{name}={self.path(value)}"
+        return self.addresses(token)
+
+    def address(self, text: str) -> str:
+        """The value of an address key: a URL with its host hidden, else `<address>` (this machine's
+        kept: it points nowhere else)."""
+        if "://" in text:
+            return self.addresses(text)
+        return text if _local_host(text) else ADDRESS
+
+    @staticmethod
+    def addresses(text: str) -> str:
+        """URLs' hosts and IPv4 addresses (but this machine's) as `<address>`."""
+        text = _URL.sub(lambda m: m.group(0) if _local_host(m.group(2)) else m.group(1) + ADDRESS, text)
+        return _IPV4.sub(lambda m: m.group(0) if _local_host(m.group(0)) else ADDRESS, text)
+
+    def value(self, data: Any, key: str = "") -> Any:
+        """A recipe value, every string in it rewritten (the key of a list is its items')."""
+        if isinstance(data, dict):
+            return {k: self.value(v, str(k)) for k, v in data.items()}
+        if isinstance(data, list):
+            return [self.value(v, key) for v in data]
+        if not isinstance(data, str):
+            return data
+        if key and _is_address_key(key):
+            return self.address(data)
+        return re.sub(r"\S+", lambda m: self.token(m.group(0)), data)
+
+
+def _start_dirs(run_dir: Path) -> list[tuple[Path | None, list[str]]]:
+    """(the folder it was typed in, the command's words) of each `areal train` of the run (commands.log:
+    `TIME  cd DIR && areal train ...`), oldest first."""
+    from arealcli.runtime.run.session import COMMANDS_LOG
+
+    try:
+        lines = (run_dir / COMMANDS_LOG).read_text().splitlines()
+    except OSError:
+        return []
+    out: list[tuple[Path | None, list[str]]] = []
+    for line in lines:
+        if "  " not in line:
+            continue
+        try:
+            words = shlex.split(line.split("  ", 1)[1])
+        except ValueError:
+            continue
+        if len(words) >= 3 and words[0] == "cd" and words[2] == "&&":
+            out.append((Path(words[1]), words[3:]))
+        else:
+            out.append((None, words))
+    return out
+
+
+def public_recipe(recipe: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The run's recipe as a published card and export show it: local paths relative to the folder the
+    run was first started from (`<run>/...`, `<local>/NAME` for the others), addresses `<address>`."""
+    starts = _start_dirs(run_dir)
+    return _Scrub(run_dir, starts[0][0] if starts else None).value(recipe)
+
+
+def public_command(words: list[str], start: Path | None, run_dir: Path) -> str:
+    """A command line as published: its paths and addresses rewritten as `public_recipe`'s, relative to
+    the folder it was typed in."""
+    scrub = _Scrub(run_dir, start)
+    out: list[str] = []
+    for i, word in enumerate(words):
+        after_flag = i > 0 and words[i - 1] in _ADDRESS_FLAGS
+        out.append(ADDRESS if after_flag else scrub.token(word))
+    return " ".join(_quote(w) for w in out)
+
+
+def _quote(word: str) -> str:
+    """shlex's quoting, except for the placeholders (`<run>/x` reads better bare)."""
+    plain = word
+    for mark in (ADDRESS, RUN, LOCAL):
+        plain = plain.replace(mark, "X")
+    return word if shlex.quote(plain) == plain else shlex.quote(word)
 
 
 def _is_hub_name(path: Any) -> bool:
@@ -209,15 +363,9 @@ def _usage(adapter: bool, tok_class: str) -> str:
 
 
 def _commands(run_dir: Path) -> list[str]:
-    """The `areal train` commands of the run, as typed (its commands.log, oldest first)."""
-    from arealcli.runtime.run.session import COMMANDS_LOG
-
-    try:
-        lines = (run_dir / COMMANDS_LOG).read_text().splitlines()
-    except OSError:
-        return []
-    # `TIME  cd DIR && areal train ...`: the card shows the command, not the folder it was typed in
-    return [line.split("  ", 1)[1].split(" && ", 1)[-1] for line in lines if "  " in line]
+    """The `areal train` commands of the run, as commands.log records them (oldest first), without the
+    folder they were typed in, and published (`public_command`)."""
+    return [public_command(words, start, run_dir) for start, words in _start_dirs(run_dir)]
 
 
 def _reproduce(recipe: dict[str, Any], commands: list[str]) -> str:
@@ -230,9 +378,12 @@ def _reproduce(recipe: dict[str, Any], commands: list[str]) -> str:
     return (
         "## How it was trained\n\n"
         + typed
-        + "The run's resolved recipe (overrides applied, presets expanded, local paths absolute) is "
-        "`recipe.yaml` in this folder, shown below; this command trains the same model again "
-        "(with the same data, torch build and CPU kind or GPU):\n\n"
+        + "The run's resolved recipe (overrides applied, presets expanded) is `recipe.yaml` in this "
+        "folder, shown below. Its local paths are relative to the folder the run was started from "
+        "(`<local>/NAME`: a file or folder elsewhere on the machine that trained it, `<run>/...`: in the "
+        "run's own folder) and server addresses read `<address>`: with the recipe in that folder and "
+        "those filled in, this command trains the same model again (with the same data, torch build "
+        "and CPU kind or GPU):\n\n"
         f"```\nareal train recipe.yaml -o runs/{experiment}\n```\n\n"
         f"<details><summary>recipe.yaml</summary>\n\n```yaml\n{text}```\n\n</details>\n"
     )

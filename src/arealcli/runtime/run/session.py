@@ -4,9 +4,11 @@ a stop signal ends a run. Errors are `UserError`s (exit 2); nothing here prints.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import shutil
 import signal
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -18,6 +20,33 @@ from arealcli.errors import UserError
 RUN_MARKER = ".arealcli-run"
 # Every `areal train` of the run, one line each: `TIME  cd DIR && areal train ...`.
 COMMANDS_LOG = "commands.log"
+# `trainer.permissions`: (the umask of `areal train`, the mode of the run directory). A run's files hold
+# its samples, its data's text and its servers' logs: no other user reads them unless told to.
+PERMISSIONS = {"private": (0o077, 0o700), "group": (0o027, 0o750)}
+
+
+def apply_permissions(permissions: str) -> None:
+    """Set this process's umask for `trainer.permissions`: every file and folder the run writes from
+    here on (by this process, its workers and the servers it launches, which inherit it) is private
+    (0600/0700), or readable by the group (0640/0750). Files written outside the run directory meanwhile
+    (e.g. a model downloaded into the Hugging Face cache) get the same modes."""
+    os.umask(PERMISSIONS[permissions][0])
+
+
+def restores_umask(command):
+    """Wrap a command that calls `apply_permissions`: the caller's umask is back when it returns, so an
+    in-process caller (a test, a notebook) keeps its own."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        previous = os.umask(0o077)  # (reading the umask sets it; the safe value meanwhile)
+        os.umask(previous)
+        try:
+            return command(*args, **kwargs)
+        finally:
+            os.umask(previous)
+
+    return wrapper
 
 
 def run_dir_for(recipe, output_dir: Path | None) -> Path:
@@ -41,9 +70,10 @@ def _protected(run_dir: Path) -> bool:
     return target == here or target in here.parents or target == Path.home().resolve()
 
 
-def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> str | None:
-    """Make `run_dir` ready (created, marked as ours), or raise UserError saying why not. Never removes
-    a directory this tool did not create. Returns a line to show when it replaced a failed start."""
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, permissions: str = "private") -> str | None:
+    """Make `run_dir` ready (created, marked as ours, its mode per `permissions`: 0700 or 0750, also on
+    resume, whatever its mode was), or raise UserError saying why not. Never removes a directory this
+    tool did not create. Returns a line to show when it replaced a failed start."""
     if resume and overwrite:
         raise UserError("--resume and --overwrite exclude each other")
     if run_dir.exists() and not run_dir.is_dir():
@@ -55,10 +85,16 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> str | None:
         raise UserError(f"--resume: {run_dir} has no checkpoints to resume from")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        _set_mode(run_dir, PERMISSIONS[permissions][1])
         (run_dir / RUN_MARKER).write_text("a run directory of areal train; --overwrite may remove it\n")
     except OSError as e:
         raise UserError(f"cannot use {run_dir} as the run directory: {e.strerror or e}") from None
     return replaced
+
+
+def _set_mode(folder: Path, mode: int) -> None:
+    """chmod `folder` to `mode`, keeping its set-group-ID bit (a team folder's files keep its group)."""
+    folder.chmod(mode | (folder.stat().st_mode & stat.S_ISGID))
 
 
 def _clear(run_dir: Path, overwrite: bool) -> str | None:

@@ -5,6 +5,7 @@ runner and batching scheduler of `areal serve`, without HTTP), or an OpenAI-comp
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from typing import Any
 from urllib.parse import urlsplit
@@ -80,12 +81,50 @@ class LocalChat:
 
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "stop"}  # OpenAI's finish_reason -> ours
+SEND_KEY_FLAG = "--send-key"
+
+
+def is_loopback_host(host: str | None) -> bool:
+    """Whether `host` (a URL's host name) can only mean this machine: `localhost`, an address in
+    127.0.0.0/8 or ::1 (also IPv4-mapped). Other names are not looked up: one that resolves to this
+    machine today may not tomorrow, so it counts as another machine."""
+    if not host:
+        return False
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def key_for(url: str, send_key: bool) -> str | None:
+    """The key to send to `url`: AREAL_API_KEY for a loopback URL, or any URL when `send_key` says so;
+    otherwise none (a key meant for one server is never handed to whatever URL was typed)."""
+    host = urlsplit(url).hostname
+    return os.environ.get(API_KEY_ENV) if send_key or is_loopback_host(host) else None
+
+
+def key_withheld(url: str, send_key: bool) -> bool:
+    """AREAL_API_KEY is set but `key_for` does not send it to `url` (worth one line on stderr)."""
+    return bool(os.environ.get(API_KEY_ENV)) and key_for(url, send_key) is None
+
+
+def withheld_note(url: str) -> str:
+    return (
+        f"{API_KEY_ENV} is set but was not sent to {url}, which is not on this machine; pass "
+        f"{SEND_KEY_FLAG} to send it there"
+    )
 
 
 class RemoteChat:
-    """An OpenAI-compatible server: `url` is its root (http://host:port) or its /v1."""
+    """An OpenAI-compatible server: `url` is its root (http://host:port) or its /v1. AREAL_API_KEY (a
+    keyed server: areal serve --api-key, vLLM --api-key) goes to a loopback URL, and to another only
+    with `send_key` (`key_for`)."""
 
-    def __init__(self, url: str, model: str | None = None, timeout_s: float = 600.0):
+    def __init__(self, url: str, model: str | None = None, timeout_s: float = 600.0, send_key: bool = False):
         import httpx
 
         parts = urlsplit(url.rstrip("/"))
@@ -93,12 +132,10 @@ class RemoteChat:
             raise UserError(f"{url} is not an http(s) URL")
         root = url.rstrip("/")
         self.base = root if root.endswith("/v1") else f"{root}/v1"
-        loopback = parts.hostname in ("127.0.0.1", "localhost", "::1")
-        key = os.environ.get(API_KEY_ENV)  # a keyed server (areal serve --api-key, vLLM --api-key)
         self.http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=10),
-            trust_env=not loopback,
-            headers=bearer(key),
+            trust_env=not is_loopback_host(parts.hostname),  # (no proxy between us and this machine)
+            headers=bearer(key_for(url, send_key)),
         )
         self.model = model or self._served_model()
         self.name = f"{self.model} at {url}"
