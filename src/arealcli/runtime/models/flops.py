@@ -41,8 +41,9 @@ def shape_of(module: Any) -> FlopShape | None:
     if not isinstance(module, torch.nn.Module) or not layers or not hidden:
         return None
     params = sum(p.numel() for p in module.parameters())  # a shared tensor is listed once
-    embed = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
-    output = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    hf: Any = module  # a transformers PreTrainedModel (duck-typed)
+    embed = hf.get_input_embeddings() if hasattr(hf, "get_input_embeddings") else None
+    output = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
     if embed is not None and (output is None or output.weight is not embed.weight):
         params -= embed.weight.numel()
     return FlopShape(params, int(layers), int(hidden))

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from typing import Any
 
 NOBODY = 65534
 CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWNET = 0x08000000, 0x10000000, 0x40000000
@@ -363,7 +364,7 @@ def remove_tree(path: str) -> None:
             os.chmod(failed, 0o700)
             shutil.rmtree(failed, **handler)
 
-    handler = {"onexc" if sys.version_info >= (3, 12) else "onerror": unlock}
+    handler: dict[str, Any] = {"onexc" if sys.version_info >= (3, 12) else "onerror": unlock}
     for _ in range(3):  # a process of the group being killed may still add a file
         shutil.rmtree(path, **handler)
         if not os.path.lexists(path):
