@@ -94,7 +94,7 @@ def test_nodes_that_do_not_fit(tmp_path):
 
 
 def test_the_trainer_connects_to_servers_a_launcher_started(monkeypatch):
-    from arealcli.runtime.run.launch import CLUSTER_KEY_ENV, SERVERS_ENV, given_servers
+    from arealcli.runtime.run.session import CLUSTER_KEY_ENV, SERVERS_ENV, given_servers
     from arealcli.schema.source import load_recipe_source
     from arealcli.schema.validate import validate
 

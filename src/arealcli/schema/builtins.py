@@ -2,7 +2,7 @@
 
 Call types and what each interface is (a critic, a language model, ...) are declared here so `areal
 check` knows them without importing it; a test checks this table against the classes themselves. Loaded
-once, by `registry.load_builtins`.
+once, with the `arealcli.schema` package.
 """
 
 from __future__ import annotations

@@ -313,12 +313,6 @@ def register_kl_estimator(name: str, fn: Any) -> Any:
     return fn
 
 
-def load_builtins() -> None:
-    """Fill the registries with the built-in components (a module is imported once). The only import of
-    `builtins`, and a lazy one: the table imports this module."""
-    from arealcli.schema import builtins  # noqa: F401
-
-
 _entry_points_loaded = False
 ENTRY_POINT_GROUP = "arealcli.plugins"
 
@@ -329,7 +323,6 @@ def load_entry_point_plugins() -> None:
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
-    load_builtins()
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             ep.load()

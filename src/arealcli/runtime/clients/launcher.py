@@ -175,7 +175,7 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
 # AREAL_API_KEY / AREAL_ADMIN_KEY, vLLM VLLM_API_KEY; the run's cluster key): a server gets the run's or none.
 # An inherited admin key, say, would make the run's own weight updates fail with 403.
 KEY_PREFIXES = ("AREAL_",)
-KEY_VARIABLES = frozenset({VLLM_API_KEY_ENV, "AREALCLI_CLUSTER_KEY"})  # run.launch.CLUSTER_KEY_ENV
+KEY_VARIABLES = frozenset({VLLM_API_KEY_ENV, "AREALCLI_CLUSTER_KEY"})  # run.session.CLUSTER_KEY_ENV
 
 
 def child_env(secrets: dict[str, str] | None) -> dict[str, str]:

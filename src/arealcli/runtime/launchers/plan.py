@@ -6,7 +6,7 @@ nodes with the head first). `cluster.allocation` puts the servers of a generatio
 trainer takes every node no server was given (every node when servers were given all). Each trainer
 node runs `areal train --nnodes K --node-rank r` (torch's elastic agent, `--nproc-per-node` ranks),
 rendezvous on the first trainer node; each server is one process, started before the trainer, which
-finds the addresses in its environment (runtime/run/launch.given_servers).
+finds the addresses in its environment (runtime/run/session.given_servers).
 
 Server commands carry two placeholders, HOST and PORT, filled in where the node is known.
 """

@@ -27,12 +27,8 @@ from typing import Any
 
 from arealcli.errors import UserError
 from arealcli.runtime.launchers.plan import ClusterPlan
-from arealcli.runtime.run.launch import (
-    CLUSTER_KEY_ENV,
-    PREPARED_ENV,
-    RESUME_FLAGS_ENV,
-    SERVERS_ENV,
-)
+from arealcli.runtime.run.launch import PREPARED_ENV, RESUME_FLAGS_ENV
+from arealcli.runtime.run.session import CLUSTER_KEY_ENV, SERVERS_ENV
 from arealcli.runtime.wire.auth import fresh_key
 
 PLACEMENT_TIMEOUT_S = 60.0

@@ -30,12 +30,8 @@ from pathlib import Path
 
 from arealcli.errors import UserError
 from arealcli.runtime.launchers.plan import HOST, PORT, ClusterPlan, ServerTask, areal_command
-from arealcli.runtime.run.launch import (
-    CLUSTER_KEY_ENV,
-    PREPARED_ENV,
-    RESUME_FLAGS_ENV,
-    SERVERS_ENV,
-)
+from arealcli.runtime.run.launch import PREPARED_ENV, RESUME_FLAGS_ENV
+from arealcli.runtime.run.session import CLUSTER_KEY_ENV, SERVERS_ENV
 from arealcli.schema.recipe import SlurmSpec
 
 SCRIPT = Path("launch") / "slurm.sh"

@@ -20,7 +20,6 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 # The last line(s) of a worker traceback that ended in a UserError (see arealcli.errors).
 _USER_ERROR = re.compile(r"^arealcli\.errors\.\w+: (.*)\Z", re.MULTILINE | re.DOTALL)
@@ -32,29 +31,8 @@ _PEER_ERRORS = re.compile(
 
 
 # Set by the cluster launchers (runtime/launchers) for the `areal train` they start on each node:
-SERVERS_ENV = "AREALCLI_CLUSTER_SERVERS"  # {"model": ["host:port", ...]}: servers they started for it
-CLUSTER_KEY_ENV = "AREALCLI_CLUSTER_KEY"  # those servers' key (fresh per job, never on a command line)
 PREPARED_ENV = "AREALCLI_RUN_PREPARED"  # "1": the launcher made the run directory; leave it as it is
 RESUME_FLAGS_ENV = "AREALCLI_RESUME_FLAGS"  # the launcher's flags, for the command that continues a run
-
-
-def given_servers(name: str, backend: Any) -> Any:
-    """Model `name`'s backend spec as this process should build it: when a cluster launcher started the
-    model's servers on their own nodes (`cluster.allocation`), it connects to them by address instead of
-    launching its own (the recipe, and the run's recipe.yaml, keep `launch`)."""
-    import json
-
-    addresses = json.loads(os.environ.get(SERVERS_ENV) or "{}").get(name)
-    if not addresses:
-        return backend
-    args = backend.args.model_copy(
-        update={
-            "launch": False if isinstance(backend.args.launch, bool) else None,
-            "addresses": list(addresses),
-            "api_key_env": CLUSTER_KEY_ENV,
-        }
-    )
-    return backend.model_copy(update={"args": args})
 
 
 @dataclass

@@ -12,6 +12,7 @@ import stat
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from arealcli.errors import UserError
 
@@ -220,3 +221,27 @@ class StopSignals:
         timer = threading.Timer(self.grace_s, hard_exit)
         timer.daemon = True
         timer.start()
+
+
+# Set by the cluster launchers (runtime/launchers) for the `areal train` they start on each node:
+SERVERS_ENV = "AREALCLI_CLUSTER_SERVERS"  # {"model": ["host:port", ...]}: servers they started for it
+CLUSTER_KEY_ENV = "AREALCLI_CLUSTER_KEY"  # those servers' key (fresh per job, never on a command line)
+
+
+def given_servers(name: str, backend: Any) -> Any:
+    """Model `name`'s backend spec as this process should build it: when a cluster launcher started the
+    model's servers on their own nodes (`cluster.allocation`), it connects to them by address instead of
+    launching its own (the recipe, and the run's recipe.yaml, keep `launch`)."""
+    import json
+
+    addresses = json.loads(os.environ.get(SERVERS_ENV) or "{}").get(name)
+    if not addresses:
+        return backend
+    args = backend.args.model_copy(
+        update={
+            "launch": False if isinstance(backend.args.launch, bool) else None,
+            "addresses": list(addresses),
+            "api_key_env": CLUSTER_KEY_ENV,
+        }
+    )
+    return backend.model_copy(update={"args": args})

@@ -34,9 +34,9 @@ from arealcli.runtime.models.weights import load_hf_weights, load_plain
 from arealcli.runtime.registry import make_backend, make_dataset, make_interface
 from arealcli.runtime.run import checkpoint as ckpt
 from arealcli.runtime.run.dataflow import Call, run_calls
-from arealcli.runtime.run.launch import given_servers
 from arealcli.runtime.run.metrics import JSONLSink, MetricLogger, WandbSink, tensorboard_sink
 from arealcli.runtime.run.rollout import RolloutProducer
+from arealcli.runtime.run.session import given_servers
 from arealcli.runtime.run.targets import step_of
 from arealcli.runtime.run.weight_sync import WeightSync
 from arealcli.schema.recipe import ModelSpec, Recipe, on_rollout_side
