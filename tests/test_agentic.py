@@ -688,7 +688,7 @@ def test_the_same_agent_code_runs_against_areal_serve(openai_server, trained, ch
 
 
 def decode_final(out: SequenceSample, tok):
-    from arealcli.runtime.interfaces.ppo_actor import decode_responses
+    from arealcli.runtime.data.responses import decode_responses
 
     return decode_responses(tok, out)
 

@@ -326,8 +326,9 @@ def _run_one(s, settings, plan, device: str, send_key: bool = False):
 
     from arealcli.runtime.data.datasets import Batches
     from arealcli.runtime.data.tokenizer import load_tokenizer
-    from arealcli.runtime.eval.run import LocalTarget, RemoteTarget, evaluate
+    from arealcli.runtime.eval.run import evaluate
     from arealcli.runtime.registry import make_dataset
+    from arealcli.runtime.serve.eval_targets import LocalTarget, RemoteTarget
     from arealcli.schema.recipe import DatasetSpec
 
     recipe, found = s.recipe, s.found

@@ -1,12 +1,13 @@
 """Everything that needs torch: the engines and backends, the algorithms, the run.
 
-Folders, in layers (a package imports, at module level, only packages of lower layers):
-    0  wire, algo, models, data, rewards, console; loose: tools, optim, registry
-    1  generation; loose: distributed
-    2  engines
-    3  clients
-    4  backends, agents, interfaces
-    5  run, serve, eval
-    6  launchers
+Folders, in layers (a package imports, anywhere in its code, only packages of lower layers):
+    0  wire (the protocols' messages); loose: tools
+    1  algo, models, data, rewards, console; loose: optim, registry
+    2  generation; loose: distributed
+    3  engines
+    4  clients, eval
+    5  backends, agents, interfaces
+    6  run, serve
+    7  launchers
 `tests/test_layout.py` holds the house to this.
 """

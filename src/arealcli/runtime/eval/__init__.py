@@ -2,8 +2,9 @@
 samples during training (`trainer.eval`).
 
     metrics   pass@k (unbiased), avg@k, maj@k, bootstrap intervals, from per-prompt results
-    run       targets (a model of this process, a model folder, an OpenAI-compatible server) and the
-              evaluation loop: greedy, then n samples per prompt, scored by a reward function
+    run       the evaluation loop over a target: greedy, then n samples per prompt, scored by a reward
+              function; the target of a model of this process (the PPO actor's held-out evaluation)
 
-Layer 5 (beside run and serve): it may use the engines, backends and interfaces below it.
+Layer 3 (beside clients): the interfaces above it evaluate through it; `areal eval`'s other targets (a
+model folder, an OpenAI-compatible server) are in runtime/serve/eval_targets.py.
 """

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from arealcli.runtime.data.responses import decode_responses
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
-from arealcli.runtime.interfaces.ppo_actor import decode_responses
 from arealcli.runtime.models.model import Model
 from arealcli.runtime.registry import get_reward
 from arealcli.schema.components.engine import MicroBatchSpec
