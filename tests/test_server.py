@@ -723,8 +723,12 @@ def test_launch_command_uses_sglang_flags(sglang_src):
 def test_the_sglang_wrapper_passes_the_key_inside_the_process(tmp_path):
     """A stand-in `sglang.launch_server` module shows what the real one would get: its flags, then
     --api-key from AREAL_API_KEY, which its own children no longer inherit."""
-    (tmp_path / "sglang").mkdir()
-    (tmp_path / "sglang" / "__init__.py").write_text("")
+    for pkg in ("sglang", "sglang/srt", "sglang/srt/entrypoints"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "sglang/srt/entrypoints/http_server.py").write_text(  # the app our guard is added to
+        "class App:\n    def add_middleware(self, cls, **kw):\n        pass\napp = App()\n"
+    )
     (tmp_path / "sglang" / "launch_server.py").write_text(
         "import os, sys\nprint(sys.argv[1:], os.environ.get('AREAL_API_KEY'))\n"
     )

@@ -43,6 +43,17 @@ def serve(
     ),
     max_n: int = typer.Option(64, min=1, help="Most samples per prompt (n) in one request."),
     max_body_mb: int = typer.Option(16, min=1, help="Largest request body in MiB (larger: 413)."),
+    max_connections: int = typer.Option(
+        1024,
+        min=1,
+        help="Most open connections (lowered to fit the open-file limit); at the cap the longest-idle one is "
+        "closed for a new one.",
+    ),
+    max_requests: int = typer.Option(
+        1024,
+        min=1,
+        help="Most generation requests in flight (beyond: 429); /health and control endpoints are not counted.",
+    ),
     api_key: str = typer.Option(
         None,
         "--api-key",
@@ -57,7 +68,8 @@ def serve(
         envvar=ADMIN_KEY_ENV,
         metavar="KEY",
         help="The key of the control endpoints (weight updates, abort, slow_down, flush_cache); default: "
-        "the API key.",
+        "the API key. Read from AREAL_ADMIN_KEY when that is set: a server started where it is exported "
+        "requires it on those endpoints (the startup line says so).",
     ),
     allow_unauthenticated: bool = typer.Option(
         False,
@@ -114,6 +126,8 @@ def serve(
             max_body_mb,
             Keys(api_key, admin_key),
             os.environ.get(WEIGHTS_DIR_ENV),  # set for the servers a run launches
+            max_connections,
+            max_requests,
         )
     except OSError as e:
         raise fail([str(e)]) from None
@@ -123,11 +137,24 @@ def serve(
             f"serving {model} at http://{h}:{p} (SGLang native protocol; OpenAI-compatible under /v1)",
             highlight=False,
         )
+        console.print(_keys_line(api_key, admin_key), highlight=False)
 
     try:
         serve_forever(server, ready)
     except KeyboardInterrupt:
         console.print("stopped")
+
+
+def _keys_line(api_key: str | None, admin_key: str | None) -> str:
+    """Which keys the server asks for (never the keys): a 403 on a weight update is then explained."""
+    if api_key is None:
+        return "no key (AREAL_API_KEY unset): every endpoint answers whoever can reach this address"
+    if admin_key is None or admin_key == api_key:
+        return "keyed: every endpoint but /health needs the API key (AREAL_API_KEY)"
+    return (
+        "keyed: every endpoint but /health needs the API key (AREAL_API_KEY); weight updates, abort, "
+        "slow_down and flush_cache need the admin key (AREAL_ADMIN_KEY or --admin-key)"
+    )
 
 
 def _loopback(host: str) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +14,6 @@ import torch
 from arealcli.runtime.generation import decoder as lean_decoder
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.models.model import DTYPES
-from arealcli.runtime.models.weights import load_hf_weights
 from arealcli.runtime.wire.sglang import Sampling
 
 
@@ -209,18 +210,12 @@ class ModelRunner:
             results.append((lps, tops))
         return results
 
-    def load_weights(self, path: str) -> None:
-        """Load an HF export in place; checked first, so a bad directory leaves the weights untouched."""
-        from safetensors import safe_open
-
-        files = sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else []
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {path}")
-        shapes: dict[str, tuple[int, ...]] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                shapes.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})  # noqa: SIM118
+    def load_weights(self, path: str, root: str | None = None) -> None:
+        """Load an HF export in place; every tensor is read and checked first, so a bad directory leaves
+        the weights untouched. With `root` (a server confined to one folder), see `read_weights`."""
+        state = read_weights(path, root)
         own = {k: tuple(v.shape) for k, v in self.module.state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
         unexpected = sorted(set(shapes) - set(own))
         missing = sorted(k for k in set(own) - set(shapes) if not k.endswith("lm_head.weight"))
         wrong = sorted(k for k in set(own) & set(shapes) if own[k] != shapes[k])
@@ -229,5 +224,82 @@ class ModelRunner:
                 f"the weights in {path} do not fit the served model: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
             )
-        load_hf_weights(self.module, Path(path))
+        load_state(self.module, state, path)
         self.model_path = str(path)
+
+
+class WeightsRefused(PermissionError):
+    """A weight folder a confined server does not load from (outside its root, or a symbolic link)."""
+
+
+def read_weights(path: str, root: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the `*.safetensors` files of folder `path`.
+
+    The folder is opened once, and its files are opened through that open folder (never by path again),
+    so what is checked is what is read. With `root`: neither the folder nor a file in it may be a symbolic
+    link (O_NOFOLLOW), and the opened folder's real location (the kernel's, /proc/self/fd) must lie below
+    `root`'s: swapping the folder or a file for a link, before or after any check, cannot make the server
+    read from elsewhere. Without `root` (a server not confined) links are followed (e.g. a Hugging Face
+    cache snapshot, whose files are links)."""
+    nofollow = os.O_NOFOLLOW if root is not None else 0
+    try:
+        folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow)
+    except OSError as e:
+        if e.errno == errno.ELOOP or (root is not None and e.errno == errno.ENOTDIR and os.path.islink(path)):
+            raise WeightsRefused(
+                f"{path} is a symbolic link: this server loads no weights through links"
+            ) from None
+        raise FileNotFoundError(f"no *.safetensors weights in {path}") from None
+    try:
+        if root is not None:
+            where = os.readlink(f"/proc/self/fd/{folder}")
+            if not Path(where).is_relative_to(os.path.realpath(root)):
+                raise WeightsRefused(
+                    f"{path} is not below {root}: this server loads weights only from below it"
+                )
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        if not names:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        state: dict[str, torch.Tensor] = {}
+        for name in names:
+            state.update(_read_file(folder, name, path, nofollow))
+        return state
+    finally:
+        os.close(folder)
+
+
+def _read_file(folder: int, name: str, path: str, nofollow: int) -> dict[str, torch.Tensor]:
+    """The tensors of file `name` of the open folder `folder`, read through one open file."""
+    from safetensors.torch import load, load_file
+
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | nofollow, dir_fd=folder)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise WeightsRefused(
+                f"{path}/{name} is a symbolic link: this server loads no weights through links"
+            ) from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}/{name} is not a regular file")
+        opened = f"/proc/self/fd/{fd}"  # this very file (mapped, not copied), whatever its name is now
+        if os.path.exists(opened):
+            return load_file(opened)
+        with os.fdopen(os.dup(fd), "rb") as f:  # no /proc: read it whole
+            return load(f.read())
+    finally:
+        os.close(fd)
+
+
+def load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load `state` (HF names) into `module`; lm_head may be tied to the embeddings."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")}
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(
+            f"weights {where} do not match the model: missing {missing}, unexpected {unexpected}"
+        )
+    tie_weights = getattr(module, "tie_weights", None)  # transformers: lm_head shares the embeddings
+    if tied and tie_weights is not None:
+        tie_weights()

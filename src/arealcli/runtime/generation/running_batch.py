@@ -43,8 +43,13 @@ class Row:
 class _Group:
     rows: torch.Tensor | None  # row indices (None: every row)
     members: list[int]
-    stop: torch.Tensor  # (S,) stop token ids
+    stop: torch.Tensor | None  # (S,) stop token ids
     params: Any  # GenerationHyperparameters of `sampling.sample`
+    error: str | None = None  # why these rows cannot be sampled (their params), if they cannot
+
+
+def _why(e: Exception) -> str:
+    return f"sampling failed: {type(e).__name__}: {e}"
 
 
 class RunningBatch:
@@ -60,21 +65,57 @@ class RunningBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, seqs: list[Sequence]) -> None:
-        """Prefill `seqs` (each with max_new_tokens >= 1) into new rows: one forward pass."""
-        r = self.runner
-        with r.autocast():
-            logits = self.decoder.add(
-                [s.prompt for s in seqs], [len(s.prompt) + s.max_new_tokens for s in seqs]
-            )
+    def add(self, seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
+        """Prefill `seqs` (each with max_new_tokens >= 1) into new rows: one forward pass. Returns the
+        samples that could not join, with why: a prefill that fails is tried again sample by sample, and
+        only the samples that fail alone are left out (the rest of the batch goes on)."""
+        failed: list[tuple[Sequence, str]] = []
+        rows: list[Row] = []
         for s in seqs:
-            texts = generation.StopTexts(s.sampling.stop, r.decode) if s.sampling.stop else None
-            min_new = min(s.sampling.min_new_tokens, s.max_new_tokens)
-            row = Row(s, s.sampling.batch_key(), frozenset(r.stop_ids(s.sampling)), min_new, texts)
+            try:
+                rows.append(self._row(s))
+            except Exception as e:
+                failed.append((s, _why(e)))
+        if not rows:
+            return failed
+        try:
+            self._prefill(rows)
+        except Exception as e:
+            self._check_consistent()
+            if len(rows) == 1:
+                return [*failed, (rows[0].seq, _why(e))]
+            for row in rows:
+                try:
+                    self._prefill([row])
+                except Exception as e1:
+                    self._check_consistent()
+                    failed.append((row.seq, _why(e1)))
+        return failed
+
+    def _row(self, s: Sequence) -> Row:
+        r = self.runner
+        texts = generation.StopTexts(s.sampling.stop, r.decode) if s.sampling.stop else None
+        min_new = min(s.sampling.min_new_tokens, s.max_new_tokens)
+        return Row(s, s.sampling.batch_key(), frozenset(r.stop_ids(s.sampling)), min_new, texts)
+
+    def _prefill(self, rows: list[Row]) -> None:
+        with self.runner.autocast():
+            logits = self.decoder.add(
+                [row.seq.prompt for row in rows],
+                [len(row.seq.prompt) + row.seq.max_new_tokens for row in rows],
+            )
+        for row in rows:
+            s = row.seq
             s.output_ids, s.logprobs, s.top = row.ids, row.logprobs, []  # seen as they grow
             self.rows.append(row)
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self._groups = None
+
+    def _check_consistent(self) -> None:
+        """After a failed prefill: the cache must still hold exactly the batch's rows (else the whole
+        batch fails: its rows' caches can no longer be trusted)."""
+        if self.decoder.rows != len(self.rows):
+            raise RuntimeError("a failed prefill left the KV cache inconsistent with the running batch")
 
     def forward(self) -> None:
         """One decoding step: feed every row its last token; the logits of the next."""
@@ -84,72 +125,130 @@ class RunningBatch:
         self.tokens = None
 
     def groups(self) -> list[_Group]:
-        """Rows by sampling params (recomputed when rows join or leave)."""
+        """Rows by sampling params (recomputed when rows join or leave). A group whose params cannot be
+        sampled with (the server checks them first: a defence in depth) carries why, for its rows only."""
         if self._groups is None:
             by_key: dict[Sampling, list[int]] = {}
             for i, row in enumerate(self.rows):
                 by_key.setdefault(row.key, []).append(i)
             device = self.decoder.device
-            self._groups = [
-                _Group(
-                    None if len(idx) == len(self.rows) else torch.tensor(idx, device=device),
-                    idx,
-                    torch.tensor(sorted(self.rows[idx[0]].stop), dtype=torch.long, device=device),
-                    key.hyperparameters(key.min_new_tokens + 1),
-                )
-                for key, idx in by_key.items()
-            ]
+            self._groups = []
+            for key, idx in by_key.items():
+                rows = None if len(idx) == len(self.rows) else torch.tensor(idx, device=device)
+                try:
+                    stop = torch.tensor(sorted(self.rows[idx[0]].stop), dtype=torch.long, device=device)
+                    self._groups.append(_Group(rows, idx, stop, key.hyperparameters(1)))
+                except Exception as e:  # e.g. a stop id beyond int64, params the sampler refuses
+                    self._groups.append(_Group(rows, idx, None, None, _why(e)))
         return self._groups
 
-    def sample(self) -> list[tuple[Row, dict[str, Any]]]:
-        """Sample every row's next token; the rows that finished with it (removed), with their finish."""
+    def sample(self) -> tuple[list[tuple[Row, dict[str, Any]]], list[tuple[Row, str]]]:
+        """Sample every row's next token; the rows that finished with it, with their finish, and the rows
+        that failed, with why (both removed). A failure while sampling fails only the rows it concerns: a
+        group that fails is sampled again row by row, and only the rows that fail alone are failed."""
         assert self.logits is not None and len(self.logits) == len(self.rows)
         B = len(self.rows)
-        tokens = torch.empty(B, dtype=torch.long, device=self.logits.device)
-        logps = torch.empty(B, dtype=torch.float32, device=self.logits.device)
+        tokens = torch.zeros(B, dtype=torch.long, device=self.logits.device)
+        logps = torch.zeros(B, dtype=torch.float32, device=self.logits.device)
+        failed: dict[int, str] = {}
+        tops: dict[int, list[tuple[int, float]]] = {}
         for g in self.groups():
-            logits = (self.logits if g.rows is None else self.logits[g.rows]).float()
-            early = [j for j, i in enumerate(g.members) if len(self.rows[i].ids) < self.rows[i].min_new]
-            if early and len(g.stop):  # min_new_tokens: no stop token yet
-                logits[torch.tensor(early, device=logits.device)[:, None], g.stop[None, :]] = float("-inf")
-            tok, lp = generation.sample(logits, g.params)
-            self._record_top(g, logits)
-            if g.rows is None:
-                tokens, logps = tok, lp
-            else:
-                tokens[g.rows], logps[g.rows] = tok, lp.float()
+            if g.error is not None:
+                failed.update(dict.fromkeys(g.members, g.error))
+                continue
+            try:
+                self._sample_rows(g, g.members, tokens, logps, tops)
+            except Exception as e:
+                if len(g.members) == 1:
+                    failed[g.members[0]] = _why(e)
+                    continue
+                for i in g.members:  # which row is it?
+                    try:
+                        self._sample_rows(g, [i], tokens, logps, tops)
+                    except Exception as e1:
+                        failed[i] = _why(e1)
         self.logits = None
+        return self._advance(tokens, logps, tops, failed)
+
+    def _advance(
+        self,
+        tokens: torch.Tensor,
+        logps: torch.Tensor,
+        tops: dict[int, list[tuple[int, float]]],
+        failed: dict[int, str],
+    ) -> tuple[list[tuple[Row, dict[str, Any]]], list[tuple[Row, str]]]:
+        """Record every sampled row's token (and alternatives); drop the rows that finished or failed."""
         finished: list[tuple[Row, dict[str, Any]]] = []
+        failures: list[tuple[Row, str]] = []
         keep: list[int] = []
         for i, (row, tok, lp) in enumerate(zip(self.rows, tokens.tolist(), logps.tolist(), strict=True)):
+            if i in failed:
+                failures.append((row, failed[i]))
+                continue
             row.ids.append(tok)
             row.logprobs.append(lp)
-            finish = self._finish(row, tok)
+            if i in tops:
+                row.seq.top.append(tops[i])
+            try:
+                finish = self._finish(row, tok)
+            except Exception as e:  # e.g. its stop texts cannot be matched
+                failures.append((row, _why(e)))
+                continue
             if finish is None:
                 keep.append(i)
             else:
                 finished.append((row, finish))
-        if finished:
+        if len(keep) < len(self.rows):
             self.decoder.keep(keep)
             self.rows = [self.rows[i] for i in keep]
             self._groups = None
             tokens = tokens[torch.tensor(keep, dtype=torch.long, device=tokens.device)]
         self.tokens = tokens
-        return finished
+        return finished, failures
 
-    def _record_top(self, g: _Group, logits: torch.Tensor) -> None:
-        """The top_n alternatives of the rows of group `g` that ask for them, from the distribution sampled
-        (`logits`: the group's, as `sample` got them)."""
-        want = [j for j, i in enumerate(g.members) if self.rows[i].seq.top_n > 0]
+    def _sample_rows(
+        self,
+        g: _Group,
+        members: list[int],
+        tokens: torch.Tensor,
+        logps: torch.Tensor,
+        tops: dict[int, list[tuple[int, float]]],
+    ) -> None:
+        """Sample the next token of rows `members` (of group `g`) into `tokens` and `logps`, their top
+        alternatives into `tops`; nothing is written when it fails."""
+        assert self.logits is not None and g.stop is not None
+        whole = members is g.members and g.rows is None
+        index = torch.tensor(members, device=self.logits.device)
+        logits = (self.logits if whole else self.logits[index]).float()
+        early = [j for j, i in enumerate(members) if len(self.rows[i].ids) < self.rows[i].min_new]
+        if early and len(g.stop):  # min_new_tokens: no stop token yet
+            logits[torch.tensor(early, device=logits.device)[:, None], g.stop[None, :]] = float("-inf")
+        tok, lp = generation.sample(logits, g.params)
+        found = self._top(members, logits, g.params)
+        if whole:
+            tokens.copy_(tok)
+            logps.copy_(lp.float())
+        else:
+            tokens[index], logps[index] = tok, lp.float()
+        tops.update(found)
+
+    def _top(
+        self, members: list[int], logits: torch.Tensor, params: Any
+    ) -> dict[int, list[tuple[int, float]]]:
+        """The top_n alternatives of the rows `members` that ask for them, from the distribution sampled
+        (`logits`: those rows', as sampled)."""
+        want = [j for j, i in enumerate(members) if self.rows[i].seq.top_n > 0]
         if not want:
-            return
+            return {}
         sel = torch.tensor(want, device=logits.device)
-        logp = torch.log_softmax(generation.process_logits(logits[sel].float(), g.params), dim=-1)
-        k = min(max(self.rows[g.members[j]].seq.top_n for j in want), logp.shape[-1])
+        logp = torch.log_softmax(generation.process_logits(logits[sel].float(), params), dim=-1)
+        k = min(max(self.rows[members[j]].seq.top_n for j in want), logp.shape[-1])
         values, ids = logp.topk(k, dim=-1)
+        out = {}
         for j, vs, ts in zip(want, values.tolist(), ids.tolist(), strict=True):
-            seq = self.rows[g.members[j]].seq
-            seq.top.append(list(zip(ts[: seq.top_n], vs[: seq.top_n], strict=True)))
+            n = self.rows[members[j]].seq.top_n
+            out[members[j]] = list(zip(ts[:n], vs[:n], strict=True))
+        return out
 
     def drop(self, which: Callable[[Row], bool]) -> list[Row]:
         """Remove the rows `which` picks (between steps: after a forward pass); the rows removed."""

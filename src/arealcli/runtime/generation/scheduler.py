@@ -28,6 +28,7 @@ aborted (samples aborted one by one with `abort`).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import traceback
@@ -38,6 +39,8 @@ from typing import Any
 
 from arealcli.runtime.generation.running_batch import RunningBatch
 from arealcli.runtime.wire.sglang import Sampling, finish_abort, finish_length, finish_stop
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -177,7 +180,17 @@ class Scheduler:
         with self._update_lock:
             return self.runner.score(rows, top_n, g), self.weight_version
 
-    def update_weights(self, path: str, version: str | None, abort: bool) -> tuple[bool, str]:
+    @property
+    def updates_waiting(self) -> int:
+        """Weight updates waiting for the running batch, or loading."""
+        return self._updating
+
+    def update_weights(
+        self, path: str, version: str | None, abort: bool, root: str | None = None
+    ) -> tuple[bool, str]:
+        """Load the weights in folder `path` once the running samples are done (or aborted, with `abort`).
+        With `root`, the runner opens the folder once, here under the update lock, and loads it only if it
+        lies below `root` and neither it nor its files are symbolic links (a PermissionError otherwise)."""
         with self._update_lock:
             if abort:
                 self.abort_all("Aborted by a weight update")
@@ -186,9 +199,14 @@ class Scheduler:
                 while self._running:
                     self._cv.wait()
             try:
-                self.runner.load_weights(path)
+                if root is None:
+                    self.runner.load_weights(path)
+                else:
+                    self.runner.load_weights(path, root=root)
                 if version is not None:  # before any batch can start with the new weights
                     self.weight_version = version
+            except PermissionError:  # refused (outside `root`, a symbolic link): weights untouched
+                raise
             except Exception as e:  # reported to the caller: success false, weights untouched
                 return False, f"Failed to update weights: {e}"
             finally:
@@ -326,13 +344,19 @@ class Scheduler:
             else:
                 join.append(s)
         if join:
-            batch.add(join)
+            for s, why in batch.add(join):  # only the samples that failed alone
+                logger.warning("sample %s failed: %s", s.rid, why)
+                s.fail(why)
             self.stats["batches"] += 1
             self.stats["forwards"] += 1
         if not len(batch):
             return
         self.stats["max_running"] = max(self.stats["max_running"], len(batch))
-        for row, finish in batch.sample():
+        finished, failed = batch.sample()
+        for row, why in failed:  # this sample's failure fails its request only
+            logger.warning("sample %s failed: %s", row.seq.rid, why)
+            row.seq.fail(why)
+        for row, finish in finished:
             self.stats["samples"] += 1
             self.stats["tokens"] += len(row.ids)
             row.seq.complete(finish, row.ids, row.logprobs, self.weight_version)
@@ -365,7 +389,13 @@ class Scheduler:
                 max_new = max(s.max_new_tokens for s in todo)
                 self.stats["max_running"] = max(self.stats["max_running"], len(todo))
                 self.stats["forwards"] += 1  # the prefill
-                rows = self.runner.generate([s.prompt for s in todo], key, max_new, step)
+                try:
+                    rows = self.runner.generate([s.prompt for s in todo], key, max_new, step)
+                except Exception as e:  # these params fail: their samples only, the other groups go on
+                    logger.warning("sampling failed for %d samples: %s: %s", len(todo), type(e).__name__, e)
+                    for s in todo:
+                        s.fail(f"sampling failed: {type(e).__name__}: {e}")
+                    continue
                 was_aborted = self._abort_epoch != epoch
                 for s, row in zip(todo, rows, strict=True):
                     self._finish(s, row, was_aborted or s.cancelled, version)

@@ -12,26 +12,45 @@
                                      stream: true answers server-sent events, see `EventStream`)
 
 One event-loop thread serves every connection (no thread per connection: on a busy CPU, handing requests
-between many threads costs more than generating) and does all per-request work: JSON, tokenizing,
-detokenizing, responses. The scheduler's thread only runs the model and sampling (continuous batching:
-requests join the running batch between decoding steps), and wakes the waiting requests through the loop.
+between many threads costs more than generating) and does the per-request work: JSON, tokenizing,
+detokenizing, responses. Work that grows with a request's size is done off the loop, so /health keeps
+answering: bodies over 64 KiB are parsed (and their depth checked) in a worker thread, long texts and chat
+templates are tokenized in the tokenizer's thread. The scheduler's thread only runs the model and sampling
+(continuous batching: requests join the running batch between decoding steps), and wakes the waiting
+requests through the loop.
+
+No request can hurt another: every field is checked when the request is parsed (finite numbers only:
+NaN and Infinity are refused, as JSON has neither; token ids within the vocabulary; integers bounded) and
+refused with a 400 that names it; a text longer than the context could hold is refused before it is
+tokenized; a sample whose sampling fails anyway fails its own request only. The server holds at most
+`max_connections` connections (below the process's file limit): one that starts no request within 5 s of
+opening, or sits idle 60 s after one, is closed, and the longest-idle one is closed to make room for a new
+one. Beyond `max_requests` generation requests in flight a request gets 429.
+
+The port is bound before the model loads (a launched server holds its port from its first second);
+`GET /health` with a challenge header is answered with a proof of the API key (`wire.auth`), so a launcher
+can tell its own server from a process that took the port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
 import hmac
 import json
 import logging
+import math
 import os
+import resource
 import signal
 import socket
 import time
 import traceback
 import uuid
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +59,7 @@ from aiohttp import web
 from arealcli.runtime.generation.model_runner import ModelRunner
 from arealcli.runtime.generation.sampling import StopTexts
 from arealcli.runtime.generation.scheduler import Scheduler, Sequence
-from arealcli.runtime.wire.auth import key_of
+from arealcli.runtime.wire.auth import CHALLENGE_HEADER, PROOF_HEADER, key_of, proof
 from arealcli.runtime.wire.openai import (
     Choice,
     ChunkPiece,
@@ -58,9 +77,16 @@ from arealcli.runtime.wire.openai import (
     streamable,
     usage,
 )
-from arealcli.runtime.wire.sglang import ProtocolError, generate_response, parse_generate
+from arealcli.runtime.wire.sglang import ProtocolError, Sampling, generate_response, parse_generate, shown
 
 logger = logging.getLogger(__name__)
+
+MAX_CHARS_PER_TOKEN = 32  # a text longer than 32 characters per context token cannot fit: refused untokenized
+MIN_TEXT_CHARS = 1 << 16  # ... but texts up to this long are always tokenized (and then measured in tokens)
+INLINE_CHARS = 4096  # texts up to this long are tokenized on the event loop (a thread hop costs more)
+MAX_SLOW_DOWN_S = 10.0  # /slow_down's longest sleep per decoding step
+INLINE_BODY_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop (a thread hop costs more)
+_LARGE_BODY: ContextVar[bool] = ContextVar("large_body", default=False)  # the request's body is larger
 
 
 class GenerationService:
@@ -75,28 +101,68 @@ class GenerationService:
         self.served_model_name = runner.model_path
         self.tokenizer_path = runner.tokenizer_path
         self.shutting_down = False
+        # one thread tokenizes long texts and renders chat templates: off the event loop, one at a time
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    @property
+    def max_text_chars(self) -> int:
+        """The longest text (in characters) that is tokenized: longer ones cannot fit in the context."""
+        return max(MIN_TEXT_CHARS, MAX_CHARS_PER_TOKEN * self.runner.context_length)
+
+    def check_text(self, chars: int, field: str) -> None:
+        """Refuse a text of `chars` characters that cannot fit in the context, before tokenizing it."""
+        if chars > self.max_text_chars:
+            raise ProtocolError(
+                f"{field} has {chars} characters: more than the model's context ({self.runner.context_length} "
+                f"tokens) can hold; this server tokenizes at most {self.max_text_chars} characters"
+            )
+
+    async def _encode(self, text: str, field: str) -> list[int]:
+        """`text`'s token ids (checked for length first); long texts are tokenized off the event loop."""
+        self.check_text(len(text), field)
+        if len(text) <= INLINE_CHARS:
+            return self.runner.encode(text)
+        return await self._off_loop(self.runner.encode, text)
+
+    async def _off_loop(self, fn, *args):
+        """fn(*args) in the tokenizer's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
+
+    @staticmethod
+    async def _parse(parse, *args):
+        """parse(*args): for a large body (its checks walk every token id) in a worker thread."""
+        return await asyncio.to_thread(parse, *args) if _LARGE_BODY.get() else parse(*args)
+
+    def _check_ids(self, sampling: Sampling, field: str) -> None:
+        """Token ids of the sampling params must be in the served vocabulary."""
+        bad = [t for t in sampling.stop_token_ids if t >= self.runner.vocab_size]
+        if bad:
+            raise ProtocolError(
+                f"{field}: token id {bad[0]} is out of the vocabulary (size {self.runner.vocab_size})"
+            )
 
     async def generate(self, body: Any) -> tuple[int, Any]:
         t0 = time.perf_counter()
-        req = parse_generate(body)
+        req = await self._parse(parse_generate, body)
         self._check_size(len(req.prompts), req.sampling[0].n)
         r = self.runner
         per_prompt: list[list[Sequence]] = []
         for prompt, sampling, rid in zip(req.prompts, req.sampling, req.rids, strict=True):
-            ids = prompt if isinstance(prompt, list) else r.encode(prompt)
+            self._check_ids(sampling, "sampling_params.stop_token_ids")
+            ids = prompt if isinstance(prompt, list) else await self._encode(prompt, "text")
             if not ids:
                 raise ProtocolError("a prompt encodes to no tokens; give at least one")
             if sampling.stop and r.tokenizer is None:
                 raise ProtocolError(
                     f"{r.model_path} has no tokenizer: stop texts need one (use stop_token_ids)"
                 )
-            if max(ids) >= r.vocab_size:
-                raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
             if len(ids) >= r.context_length:
                 raise ProtocolError(
                     f"The input ({len(ids)} tokens) is longer than the model's context length "
                     f"({r.context_length} tokens)."
                 )
+            if max(ids) >= r.vocab_size:
+                raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
             max_new = min(sampling.max_new_tokens, r.context_length - len(ids))
             rids = [rid] if sampling.n == 1 else [f"{rid}-{j}" for j in range(sampling.n)]
             per_prompt.append([Sequence(x, ids, sampling, max_new) for x in rids])
@@ -150,21 +216,27 @@ class GenerationService:
 
     # ------------------------------------------------------------------ OpenAI-compatible
 
-    def _prompt_ids(self, prompt: list[int] | str, room: int = 1) -> list[int]:
+    async def _prompt_ids(self, prompt: list[int] | str, room: int = 1) -> list[int]:
         """A prompt's token ids, checked; `room`: the context positions it must leave for generation."""
+        ids = prompt if isinstance(prompt, list) else await self._encode(prompt, "prompt")
+        return self._checked_prompt(ids, room)
+
+    def _checked_prompt(self, ids: list[int], room: int = 1) -> list[int]:
         r = self.runner
-        ids = prompt if isinstance(prompt, list) else r.encode(prompt)
         if not ids:
             raise ProtocolError("a prompt encodes to no tokens; give at least one")
-        if max(ids) >= r.vocab_size or min(ids) < 0:
-            raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
         if len(ids) > r.context_length - room:
             raise ProtocolError(
                 f"the prompt ({len(ids)} tokens) leaves no room in the model's context ({r.context_length} tokens)"
             )
+        if max(ids) >= r.vocab_size or min(ids) < 0:
+            raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
         return ids
 
     def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """The chat's prompt tokens (run in the tokenizer's thread); texts that cannot fit are refused first."""
+        chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+        self.check_text(chars, "messages")
         tok = self.runner.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise ProtocolError(
@@ -176,17 +248,18 @@ class GenerationService:
             )
         except Exception as e:  # the template's own checks (roles, order) raise
             raise ProtocolError(f"the chat template cannot render these messages: {e}") from None
-        return self._prompt_ids(tok.encode(rendered, add_special_tokens=False))
+        return self._checked_prompt(tok.encode(rendered, add_special_tokens=False))
 
     async def _openai(self, req: OpenAIRequest) -> tuple[int, Any]:
         """Every prompt's n choices, whole or streamed (`EventStream`); every sample runs as its own task
         (submitted together: they batch), continued on the new weights when a weight update aborts it."""
         r = self.runner
         self._check_size(len(req.prompts), req.sampling.n)
+        self._check_ids(req.sampling, "stop_token_ids")
         if req.top_logprobs and r.tokenizer is None:
             raise ProtocolError(f"{r.model_path} has no tokenizer: top log-probs are keyed by token text")
         room = 0 if req.sampling.max_new_tokens == 0 else 1  # echo with max_tokens 0: only scored
-        prompts = [self._prompt_ids(p, room) for p in req.prompts]
+        prompts = [await self._prompt_ids(p, room) for p in req.prompts]
         samples = [
             _Sample(ids, min(req.sampling.max_new_tokens, r.context_length - len(ids)))
             for ids in prompts
@@ -433,12 +506,12 @@ class GenerationService:
         return out
 
     async def completions(self, body: Any) -> tuple[int, Any]:
-        return await self._openai(parse_completion_request(body))
+        return await self._openai(await self._parse(parse_completion_request, body))
 
     async def chat_completions(self, body: Any) -> tuple[int, Any]:
         tok = self.runner.tokenizer
         template = getattr(tok, "chat_template", None) if tok is not None else None
-        return await self._openai(parse_chat_request(body, self._render_chat, template))
+        return await self._openai(await self._off_loop(parse_chat_request, body, self._render_chat, template))
 
     async def models(self, body: Any) -> tuple[int, Any]:
         return 200, models_response(self.served_model_name)
@@ -458,12 +531,16 @@ class GenerationService:
             }
         _injected_death_on_update()
         version = body.get("weight_version")
-        ok, message = await asyncio.to_thread(  # waits for the running batch: off the event loop
-            self.scheduler.update_weights,
-            body["model_path"],
-            None if version is None else str(version),
-            bool(body.get("abort_all_requests")),
-        )
+        try:  # the folder is opened and checked again under the update lock (ModelRunner.read_weights)
+            ok, message = await asyncio.to_thread(  # waits for the running batch: off the event loop
+                self.scheduler.update_weights,
+                body["model_path"],
+                None if version is None else str(version),
+                bool(body.get("abort_all_requests")),
+                root=self.weights_dir,
+            )
+        except PermissionError as e:
+            return 403, {"success": False, "message": str(e), "num_paused_requests": 0}
         if ok:
             self.served_model_name = body["model_path"]  # SGLang moves the served name with the weights
         return (200 if ok else 400), {"success": ok, "message": message, "num_paused_requests": 0}
@@ -477,8 +554,15 @@ class GenerationService:
     async def slow_down(self, body: Any) -> tuple[int, Any]:
         """SGLang's test hook: sleep `forward_sleep_time` seconds before every decode step (null = off)."""
         sleep = body.get("forward_sleep_time") if isinstance(body, dict) else None
-        if sleep is not None and (isinstance(sleep, bool) or not isinstance(sleep, int | float) or sleep < 0):
-            raise ProtocolError(f"forward_sleep_time must be a non-negative number or null (got {sleep!r})")
+        if sleep is not None and (
+            isinstance(sleep, bool)
+            or not isinstance(sleep, int | float)
+            or not (math.isfinite(sleep) and 0 <= sleep <= MAX_SLOW_DOWN_S)
+        ):
+            raise ProtocolError(
+                f"forward_sleep_time must be a number of seconds in [0, {MAX_SLOW_DOWN_S:g}] or null "
+                f"(got {shown(sleep)})"
+            )
         self.scheduler.forward_sleep_s = float(sleep or 0.0)
         return 200, None
 
@@ -509,7 +593,8 @@ class GenerationService:
             "model_path": self.runner.model_path,
             "batch_window_ms": sch.batch_window_s * 1000,
             "max_batch_size": sch.max_batch_size,
-            "internal_states": [dict(sch.stats)],  # forward passes, samples, tokens so far
+            # forward passes, samples, tokens so far; weight updates waiting for the running batch
+            "internal_states": [{**sch.stats, "weight_updates_waiting": sch.updates_waiting}],
             "version": "arealcli-embedded",
         }
 
@@ -617,10 +702,16 @@ ROUTES = [
 ]
 
 
-def _respond(status: int, payload: Any) -> web.Response:
+def _respond(status: int, payload: Any, headers: dict[str, str] | None = None) -> web.Response:
     if isinstance(payload, str):
-        return web.Response(status=status, text=payload)
-    return web.Response(status=status, body=json.dumps(payload).encode(), content_type="application/json")
+        return web.Response(status=status, text=payload, headers=headers)
+    return web.Response(
+        status=status, body=json.dumps(payload).encode(), content_type="application/json", headers=headers
+    )
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _respond(status, {"error": {"message": message}})
 
 
 MAX_JSON_DEPTH = 32  # the deepest request (chat messages with tool calls and schemas) needs about 10
@@ -646,9 +737,72 @@ def _too_deep(value: Any, raw: bytes) -> bool:
     return False
 
 
+class _NotFinite:
+    """What NaN, Infinity or a number beyond a float's range parses to: refused, naming where it is."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def _path_to(value: Any, want: type) -> tuple[str, Any]:
+    """The path (`a.b[2]`) of the first value of type `want` in JSON data, and that value (iterative)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, want):
+            return path or "the body", v
+        if isinstance(v, dict):
+            stack.extend((c, f"{path}.{k}" if path else str(k)) for k, c in reversed(list(v.items())))
+        elif isinstance(v, list):
+            stack.extend((c, f"{path}[{i}]") for i, c in reversed(list(enumerate(v))))
+    raise AssertionError("not found")
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body's JSON ({} when empty); a ProtocolError when it is not JSON or nests deeper than
+    MAX_JSON_DEPTH. NaN, Infinity and numbers that overflow a float are refused, naming the field: JSON
+    has none of them, though Python's json reads them (and a NaN sampling parameter would reach the
+    sampler)."""
+    bad: list[_NotFinite] = []
+
+    def not_finite(text: str) -> _NotFinite:
+        bad.append(_NotFinite(text))
+        return bad[-1]
+
+    def number(text: str) -> float | _NotFinite:
+        value = float(text)
+        return value if math.isfinite(value) else not_finite(text)
+
+    try:
+        body = json.loads(raw, parse_constant=not_finite, parse_float=number) if raw.strip() else {}
+    except RecursionError:
+        body = _TOO_DEEP
+    except ValueError as e:
+        raise ProtocolError(f"the body is not valid JSON: {e}") from None
+    if body is _TOO_DEEP or _too_deep(body, raw):
+        raise ProtocolError(f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep")
+    if bad:
+        where, value = _path_to(body, _NotFinite)
+        raise ProtocolError(
+            f"{where} must be a finite number (got {value.text[:40]}, which JSON does not allow)"
+        )
+    return body
+
+
 # Endpoints that change what the server does for everyone: the admin key (when set) guards them.
 CONTROL = {"update_weights_from_disk", "abort_request", "slow_down", "flush_cache"}
 OPEN = {"health"}  # answered without a key (liveness probes)
+MAX_NONCE = 256  # the longest challenge /health answers
+
+
+def _utf8(text: str | None) -> bytes | None:
+    """`text` as UTF-8, or None (a header with bytes that are not UTF-8 carries no valid key)."""
+    if text is None:
+        return None
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -659,73 +813,260 @@ class Keys:
     admin: str | None = None
 
     def refusal(self, name: str, header: str | None) -> tuple[int, str] | None:
-        """(401 or 403, why) when a request with Authorization `header` may not call endpoint `name`."""
+        """(401 or 403, why) when a request with Authorization `header` may not call endpoint `name`.
+        A header that is not `Bearer KEY`, or not UTF-8, is a missing key: 401 (constant-time compared)."""
         if self.api is None or name in OPEN:
             return None
-        given = key_of(header)
-        admin = self.admin or self.api
+        given = _utf8(key_of(header))
+        api, admin = self.api.encode(), (self.admin or self.api).encode()
         if name in CONTROL:
-            if given is not None and hmac.compare_digest(given.encode(), admin.encode()):
+            if given is not None and hmac.compare_digest(given, admin):
                 return None
-            if given is not None and hmac.compare_digest(given.encode(), self.api.encode()):
+            if given is not None and hmac.compare_digest(given, api):
                 return 403, f"/{name} needs the admin key (areal serve --admin-key), not the API key"
             return 401, "a valid key is required: Authorization: Bearer KEY"
-        if given is not None and (
-            hmac.compare_digest(given.encode(), self.api.encode())
-            or hmac.compare_digest(given.encode(), admin.encode())
-        ):
+        if given is not None and (hmac.compare_digest(given, api) or hmac.compare_digest(given, admin)):
             return None
         return 401, "a valid API key is required: Authorization: Bearer KEY"
 
+    def proof_headers(self, nonce: str | None) -> dict[str, str] | None:
+        """The header that answers a /health challenge: proof(API key, nonce); none without a key (or a
+        challenge that is too long, or not text)."""
+        if self.api is None or nonce is None or len(nonce) > MAX_NONCE or _utf8(nonce) is None:
+            return None
+        return {PROOF_HEADER: proof(self.api, nonce)}
 
-def make_app(service: GenerationService, max_body_mb: int = 16, keys: Keys | None = None) -> web.Application:
+
+class Throttled:
+    """Log lines that a client can cause (refusals): at most one per `every_s` seconds, the next one
+    saying how many were left out, so that a client without a key cannot grow the log without bound."""
+
+    def __init__(self, log: logging.Logger, every_s: float = 5.0):
+        self.log, self.every_s = log, every_s
+        self._last, self._skipped = -math.inf, 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self._skipped += 1
+            return
+        if self._skipped:
+            message += f" ({self._skipped} more not logged in the {now - self._last:.0f} s before)"
+        self._last, self._skipped = now, 0
+        self.log.warning(message, *args)
+
+
+@dataclasses.dataclass
+class _Conn:
+    opened: float
+    last: float  # when its last request ended (or it opened)
+    busy: int = 0  # requests being handled
+    started: int = 0  # requests started
+
+
+class ConnectionGuard:
+    """The server's open connections: at most `cap` (kept below the process's file limit, so that accepting
+    never runs out of files); a connection that starts no request within `first_request_s` of opening,
+    or stays idle `idle_s` after one, is closed; at the cap, the longest-idle one is closed to make room
+    for the next (when every one is busy, accepting waits for one to finish)."""
+
+    def __init__(self, cap: int, first_request_s: float = 5.0, idle_s: float = 60.0):
+        self.cap, self.first_request_s, self.idle_s = cap, first_request_s, idle_s
+        self.conns: dict[Any, _Conn] = {}  # aiohttp's RequestHandler -> its state
+        self.closed = 0  # connections closed for being idle
+        self._freed: asyncio.Event | None = None
+
+    def opened(self, handler: Any) -> None:
+        now = time.monotonic()
+        self.conns[handler] = _Conn(now, now)
+
+    def begin(self, handler: Any) -> None:
+        c = self.conns.get(handler)
+        if c is not None:
+            c.busy += 1
+            c.started += 1
+
+    def end(self, handler: Any) -> None:
+        c = self.conns.get(handler)
+        if c is not None:
+            c.busy -= 1
+            c.last = time.monotonic()
+        if self._freed is not None:
+            self._freed.set()
+
+    def _prune(self) -> None:
+        """Forget the connections that are gone."""
+        gone = [h for h in self.conns if h.transport is None]
+        for h in gone:
+            del self.conns[h]
+
+    def _close(self, handler: Any) -> None:
+        self.conns.pop(handler, None)
+        self.closed += 1
+        handler.force_close()
+
+    def sweep(self) -> None:
+        """Close the connections idle too long: never started a request, or none for `idle_s`."""
+        self._prune()
+        now = time.monotonic()
+        for h, c in list(self.conns.items()):
+            if c.busy:
+                continue
+            if (c.started == 0 and now - c.opened > self.first_request_s) or now - c.last > self.idle_s:
+                self._close(h)
+
+    async def room(self) -> None:
+        """Return once one more connection fits under the cap (closing the longest-idle one if need be)."""
+        if self._freed is None:
+            self._freed = asyncio.Event()
+        while True:
+            self._prune()
+            if len(self.conns) < self.cap:
+                return
+            idle = [(c.last, i, h) for i, (h, c) in enumerate(self.conns.items()) if not c.busy]
+            if idle:
+                self._close(min(idle)[2])
+                continue
+            self._freed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), 1.0)
+
+
+ACCEPT_ERRORS = Throttled(logger, 10.0)
+
+
+async def accept_loop(sock: socket.socket, factory, guard: ConnectionGuard) -> None:
+    """Accept connections one at a time, each only once the guard has room for it; `factory()` makes the
+    protocol (aiohttp's request handler) of each. (asyncio's own accepting takes every pending connection
+    at once, beyond any file limit, and then stops for a second.)"""
+    sock.setblocking(False)
+    while True:
+        try:
+            await _accept_one(sock, factory, guard)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # out of files or memory (something else holds them), or a bug: go on shortly
+            ACCEPT_ERRORS.warning("cannot accept a connection: %s: %s", type(e).__name__, e)
+            await asyncio.sleep(0.5)
+
+
+async def _accept_one(sock: socket.socket, factory, guard: ConnectionGuard) -> None:
+    loop = asyncio.get_running_loop()
+    await guard.room()
+    try:
+        conn, _ = await loop.sock_accept(sock)
+    except (ConnectionAbortedError, InterruptedError):
+        return
+    handler = factory()
+    try:
+        conn.setblocking(False)
+        await loop.connect_accepted_socket(lambda: handler, conn)
+    except OSError:
+        conn.close()
+        return
+    guard.opened(handler)
+
+
+def connection_cap(wanted: int, reserve: int = 16) -> int:
+    """`wanted`, lowered to what the open-file limit leaves: the limit less the files open now and
+    `reserve` (weight updates open files too). The soft limit is first raised as far as the hard one allows
+    (to 65536 at most)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+    if soft != resource.RLIM_INFINITY and soft < top:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+            soft = top
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = 64
+    room = soft - open_now - reserve
+    if room < wanted:
+        logger.warning(
+            "serving at most %d connections at once: the open-file limit (ulimit -n) is %d",
+            max(1, room),
+            soft,
+        )
+    return max(1, min(wanted, room))
+
+
+def make_app(
+    service: GenerationService,
+    max_body_mb: int = 16,
+    keys: Keys | None = None,
+    guard: ConnectionGuard | None = None,
+    max_requests: int = 1024,
+) -> web.Application:
+    """The routes, behind the key check; at most `max_requests` requests in flight (429 beyond) on the
+    endpoints that are neither open nor control ones. `guard` (if any) learns when connections are busy."""
     keys = keys or Keys()
+    refusals = Throttled(logger)
+    in_flight = [0]
 
     def route(name: str):
         method = getattr(service, name)
+        counted = name not in OPEN and name not in CONTROL
 
         async def handle(request: web.Request) -> web.StreamResponse:
             refused = keys.refusal(name, request.headers.get("Authorization"))
-            if refused is not None:  # logged without the key
-                logger.warning("%s %s from %s: %s", refused[0], request.path, request.remote, refused[1])
-                return _respond(refused[0], {"error": {"message": refused[1]}})
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                return _respond(
-                    413,
-                    {
-                        "error": {
-                            "message": f"the body is larger than this server's limit of {max_body_mb} MiB "
-                            "(areal serve --max-body-mb)"
-                        }
-                    },
+            if refused is not None:  # logged without the key, at most once every few seconds
+                refusals.warning("%s %s from %s: %s", refused[0], request.path, request.remote, refused[1])
+                return _error(*refused)
+            if name in OPEN:
+                status, payload = await method({})
+                return _respond(status, payload, keys.proof_headers(request.headers.get(CHALLENGE_HEADER)))
+            if counted and in_flight[0] >= max_requests:
+                return _error(
+                    429,
+                    f"the server has {in_flight[0]} requests in flight, its limit (areal serve --max-requests); "
+                    "try again later",
                 )
+            in_flight[0] += counted
             try:
-                body = json.loads(raw) if raw.strip() else {}
-            except ValueError as e:
-                return _respond(400, {"error": {"message": f"the body is not valid JSON: {e}"}})
-            except RecursionError:
-                body = _TOO_DEEP
-            if body is _TOO_DEEP or _too_deep(body, raw):
-                return _respond(
-                    400,
-                    {"error": {"message": f"the JSON body is nested more than {MAX_JSON_DEPTH} levels deep"}},
-                )
-            try:
-                status, payload = await method(body)
-                if isinstance(payload, EventStream):  # streamed (OpenAI's stream: true)
-                    return await payload.send(request)
-                return _respond(status, payload)
-            except (ProtocolError, ValueError) as e:
-                return _respond(400, {"error": {"message": str(e)}})
-            except Exception as e:  # a bug or a device error: the client sees it, the server keeps serving
-                traceback.print_exc()
-                return _respond(500, {"error": {"message": f"{type(e).__name__}: {e}"}})
+                return await answer(request, method)
+            finally:
+                in_flight[0] -= counted
 
         return handle
 
-    app = web.Application(client_max_size=max_body_mb << 20)
+    async def answer(request: web.Request, method) -> web.StreamResponse:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(
+                413,
+                f"the body is larger than this server's limit of {max_body_mb} MiB (areal serve --max-body-mb)",
+            )
+        try:
+            large = len(raw) > INLINE_BODY_BYTES
+            body = await asyncio.to_thread(parse_body, raw) if large else parse_body(raw)
+            _LARGE_BODY.set(large)  # this request's task only: its fields are checked off the loop too
+            status, payload = await method(body)
+            if isinstance(payload, EventStream):  # streamed (OpenAI's stream: true)
+                return await payload.send(request)
+            return _respond(status, payload)
+        except (ProtocolError, ValueError) as e:
+            return _error(400, str(e))
+        except Exception as e:  # a bug or a device error: the client sees it, the server keeps serving
+            traceback.print_exc()
+            return _error(500, f"{type(e).__name__}: {e}")
+
+    middlewares = []
+    if guard is not None:
+
+        @web.middleware
+        async def busy(request: web.Request, handler) -> web.StreamResponse:
+            guard.begin(request.protocol)
+            try:
+                return await handler(request)
+            finally:
+                guard.end(request.protocol)
+
+        middlewares.append(busy)
+    app = web.Application(client_max_size=max_body_mb << 20, middlewares=middlewares)
     for method, path, name in ROUTES:
         app.router.add_route(method, path, route(name))
     return app
@@ -745,9 +1086,12 @@ class GenerationServer:
         log_requests: bool,
         max_body_mb: int = 16,
         keys: Keys | None = None,
+        max_connections: int = 1024,
+        max_requests: int = 1024,
     ):
         self.service, self.sock, self.log_requests = service, sock, log_requests
         self.max_body_mb, self.keys = max_body_mb, keys
+        self.max_connections, self.max_requests = max_connections, max_requests
 
     @property
     def server_address(self) -> tuple[str, int]:
@@ -757,9 +1101,15 @@ class GenerationServer:
         if self.log_requests:
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
         access_log = logging.getLogger("aiohttp.access") if self.log_requests else None
-        runner = web.AppRunner(make_app(self.service, self.max_body_mb, self.keys), access_log=access_log)
+        guard = ConnectionGuard(connection_cap(self.max_connections))
+        app = make_app(self.service, self.max_body_mb, self.keys, guard, self.max_requests)
+        # aiohttp's own keep-alive timeout only backs the guard's up
+        runner = web.AppRunner(app, access_log=access_log, keepalive_timeout=guard.idle_s + 15)
         await runner.setup()
-        await web.SockSite(runner, self.sock, backlog=1024).start()
+        server = runner.server
+        assert server is not None
+        accepting = asyncio.create_task(accept_loop(self.sock, server, guard))
+        sweeping = asyncio.create_task(_every(1.0, guard.sweep))
         if on_ready is not None:
             on_ready(*self.server_address)
         try:
@@ -767,6 +1117,8 @@ class GenerationServer:
         finally:
             self.service.shutting_down = True
             self.service.scheduler.stop()
+            for task in (accepting, sweeping):
+                task.cancel()
             await runner.cleanup()
 
     def serve_forever(self, on_ready=None) -> None:
@@ -775,6 +1127,16 @@ class GenerationServer:
         finally:
             with contextlib.suppress(OSError):
                 self.sock.close()
+
+
+async def _every(seconds: float, fn) -> None:
+    """fn() every `seconds` seconds, whatever it raises (logged)."""
+    while True:
+        await asyncio.sleep(seconds)
+        try:
+            fn()
+        except Exception:
+            logger.exception("%s failed", getattr(fn, "__name__", fn))
 
 
 def make_server(
@@ -791,13 +1153,21 @@ def make_server(
     max_body_mb: int = 16,
     keys: Keys | None = None,
     weights_dir: str | None = None,
+    max_connections: int = 1024,
+    max_requests: int = 1024,
 ) -> GenerationServer:
-    """Load the model, bind the socket (port 0 = any free port) and start the batching loop."""
-    runner = ModelRunner(model_path, device, dtype)
+    """Bind the socket (port 0 = any free port), then load the model and start the batching loop. The port
+    is held from the start: no other process can take it while the model loads (connections made
+    meanwhile wait in the listen queue, and are answered once the server runs)."""
     try:
         sock = socket.create_server((host, port), backlog=1024)
     except OSError as e:
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        runner = ModelRunner(model_path, device, dtype)
+    except BaseException:
+        sock.close()
+        raise
     scheduler = Scheduler(runner, batch_window_ms / 1000, max_batch_size, weight_version, continuous=True)
     scheduler.start()
     # What exists now (the model, torch, transformers: ~400k objects) lives as long as the server: out
@@ -806,7 +1176,13 @@ def make_server(
     gc.collect()
     gc.freeze()
     return GenerationServer(
-        GenerationService(runner, scheduler, max_n, weights_dir), sock, log_requests, max_body_mb, keys
+        GenerationService(runner, scheduler, max_n, weights_dir),
+        sock,
+        log_requests,
+        max_body_mb,
+        keys,
+        max_connections,
+        max_requests,
     )
 
 

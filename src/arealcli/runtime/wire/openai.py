@@ -58,7 +58,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from arealcli.runtime.wire.sglang import ProtocolError, Sampling
+from arealcli.runtime.wire.sglang import MAX_INT, MAX_TOKENS, ProtocolError, Sampling, shown, token_ids
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token (vLLM's default limit)
 
@@ -130,21 +130,21 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
-        raise ProtocolError(f"{key} must be a number in [{lo:g}, {hi:g}] (got {v!r})")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and lo <= v <= hi):
+        raise ProtocolError(f"{key} must be a number in [{lo:g}, {hi:g}] (got {shown(v)})")
     return float(v)
 
 
 @overload
-def _integer(body: dict, key: str, default: int, lo: int) -> int: ...
+def _integer(body: dict, key: str, default: int, lo: int, hi: int = MAX_INT) -> int: ...
 @overload
-def _integer(body: dict, key: str, default: None, lo: int) -> int | None: ...
-def _integer(body: dict, key: str, default: int | None, lo: int) -> int | None:
+def _integer(body: dict, key: str, default: None, lo: int, hi: int = MAX_INT) -> int | None: ...
+def _integer(body: dict, key: str, default: int | None, lo: int, hi: int = MAX_INT) -> int | None:
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ProtocolError(f"{key} must be an integer >= {lo} (got {v!r})")
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ProtocolError(f"{key} must be an integer in [{lo}, {hi}] (got {shown(v)})")
     return v
 
 
@@ -158,7 +158,7 @@ def _check_fields(body: Any, allowed: set[str]) -> dict:
         if value is not None and value not in neutral:
             why = _WHY.get(key.removesuffix("_choice").replace("functions", "tools"), "")
             raise ProtocolError(
-                f"{key}={value!r} is not supported by the embedded server" + (f": {why}" if why else "")
+                f"{key}={shown(value)} is not supported by the embedded server" + (f": {why}" if why else "")
             )
     unknown = sorted(set(body) - allowed - set(_NEUTRAL) - _IGNORED)
     if unknown:
@@ -171,11 +171,8 @@ def _stops(body: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
     stop = body.get("stop")
     texts = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(texts, list) or not all(isinstance(s, str) and s for s in texts) or len(texts) > 4:
-        raise ProtocolError(f"stop must be a text or a list of up to 4 texts (got {stop!r})")
-    extra = body.get("stop_token_ids") or []
-    if not isinstance(extra, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in extra):
-        raise ProtocolError(f"stop_token_ids must be a list of integers (got {extra!r})")
-    return tuple(dict.fromkeys(texts)), tuple(extra)
+        raise ProtocolError(f"stop must be a text or a list of up to 4 texts (got {shown(stop)})")
+    return tuple(dict.fromkeys(texts)), token_ids(body.get("stop_token_ids") or [], "stop_token_ids")
 
 
 def finish_of(
@@ -198,7 +195,7 @@ def finish_of(
 def _flag(body: dict, key: str) -> bool:
     v = body.get(key)
     if v is not None and not isinstance(v, bool):
-        raise ProtocolError(f"{key} must be true or false (got {v!r})")
+        raise ProtocolError(f"{key} must be true or false (got {shown(v)})")
     return bool(v)
 
 
@@ -210,7 +207,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
     if not stream:
         raise ProtocolError("stream_options is only allowed with stream: true")
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise ProtocolError(f"stream_options must be {{include_usage: bool}} (got {options!r})")
+        raise ProtocolError(f"stream_options must be {{include_usage: bool}} (got {shown(options)})")
     if options.get("continuous_usage_stats"):
         raise ProtocolError("stream_options.continuous_usage_stats is not supported by the embedded server")
     return True, _flag(options, "include_usage")
@@ -227,8 +224,8 @@ def _sampling(body: dict, max_tokens: int | None, stops: tuple[tuple[str, ...], 
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     seed = body.get("seed")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ProtocolError(f"seed must be an integer (got {seed!r})")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 63:
+            raise ProtocolError(f"seed must be a 64-bit integer (got {shown(seed)})")
         if temperature != 0 and max_tokens != 0:
             raise ProtocolError(
                 "seed is not supported by the embedded server for sampled requests (it has no per-request "
@@ -237,10 +234,10 @@ def _sampling(body: dict, max_tokens: int | None, stops: tuple[tuple[str, ...], 
     top_k = _integer(body, "top_k", -1, -1)
     if top_k == 0:
         raise ProtocolError("top_k must be -1 (all tokens) or at least 1 (got 0)")
-    min_tokens = _integer(body, "min_tokens", 0, 0)
+    min_tokens = _integer(body, "min_tokens", 0, 0, MAX_TOKENS)
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        raise ProtocolError(f"ignore_eos must be true or false (got {ignore_eos!r})")
+        raise ProtocolError(f"ignore_eos must be true or false (got {shown(ignore_eos)})")
     if ignore_eos:  # vLLM's: every sample runs to max_tokens (here EOS is never drawn before then)
         if max_tokens is None:
             raise ProtocolError("ignore_eos needs max_tokens (else a sample would run to the context length)")
@@ -280,7 +277,7 @@ def parse_completion_request(body: Any) -> OpenAIRequest:
         raise ProtocolError("prompt must not be empty")
     logprobs = body.get("logprobs") is not None
     top = _top(body, "logprobs")
-    max_tokens = _integer(body, "max_tokens", 16, 0)  # OpenAI's default for completions
+    max_tokens = _integer(body, "max_tokens", 16, 0, MAX_TOKENS)  # OpenAI's default for completions
     stops = _stops(body)
     stream, usage = _stream(body)
     return OpenAIRequest(
@@ -316,7 +313,7 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise ProtocolError(f"{where}.function.arguments is not JSON (got {args!r})") from None
+            raise ProtocolError(f"{where}.function.arguments is not JSON (got {shown(args)})") from None
     out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
     if isinstance(call.get("id"), str):
         out["id"] = call["id"]
@@ -361,10 +358,10 @@ def parse_tools(body: dict, template: str | None) -> tuple[list[dict] | None, bo
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise ProtocolError(f"parallel_tool_calls must be true or false (got {parallel!r})")
+        raise ProtocolError(f"parallel_tool_calls must be true or false (got {shown(parallel)})")
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
-            raise ProtocolError(f"tool_choice={choice!r} needs tools")
+            raise ProtocolError(f"tool_choice={shown(choice)} needs tools")
         return None, parallel is not False
     if not isinstance(tools, list) or not all(
         isinstance(t, dict)
@@ -380,7 +377,7 @@ def parse_tools(body: dict, template: str | None) -> tuple[list[dict] | None, bo
         return None, parallel is not False  # as vLLM: the tools stay out of the prompt
     if choice not in (None, "auto"):
         raise ProtocolError(
-            f"tool_choice={choice!r} is not supported: forcing a call needs constrained decoding; "
+            f"tool_choice={shown(choice)} is not supported: forcing a call needs constrained decoding; "
             "use auto (the model decides) or none"
         )
     if TOOL_OPEN not in str(template or ""):
@@ -435,8 +432,8 @@ def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest
     logprobs = _flag(body, "logprobs")
     if top and not logprobs:
         raise ProtocolError("top_logprobs needs logprobs: true")
-    max_tokens = _integer(body, "max_completion_tokens", None, 0)
-    max_tokens = _integer(body, "max_tokens", None, 0) if max_tokens is None else max_tokens
+    max_tokens = _integer(body, "max_completion_tokens", None, 0, MAX_TOKENS)
+    max_tokens = _integer(body, "max_tokens", None, 0, MAX_TOKENS) if max_tokens is None else max_tokens
     stops = _stops(body)
     stream, usage = _stream(body)
     return OpenAIRequest(

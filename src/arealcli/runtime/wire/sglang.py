@@ -17,6 +17,8 @@ then prompt 1's). finish_reason is {"type": "stop", "matched": id}, {"type": "le
 from __future__ import annotations
 
 import dataclasses
+import math
+import reprlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +28,8 @@ from arealcli.schema.components.engine import GenerationHyperparameters
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k"
+MAX_TOKENS = 1 << 22  # the most tokens a request may ask for (beyond any model's context)
+MAX_INT = (1 << 31) - 1  # other integers (token ids, n, top_k): what every tensor index holds
 
 # Sampling params that only shape the returned text: accepted, nothing to do here.
 _TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
@@ -106,12 +110,14 @@ class Sampling:
         )
 
 
-def _int(raw: dict, key: str, default: int, minimum: int) -> int:
+def _int(raw: dict, key: str, default: int, minimum: int, maximum: int = MAX_INT) -> int:
     v = raw.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ProtocolError(f"sampling_params.{key} must be an integer >= {minimum} (got {v!r})")
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        raise ProtocolError(
+            f"sampling_params.{key} must be an integer in [{minimum}, {maximum}] (got {shown(v)})"
+        )
     return v
 
 
@@ -119,9 +125,40 @@ def _float(raw: dict, key: str, default: float) -> float:
     v = raw.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise ProtocolError(f"sampling_params.{key} must be a number (got {v!r})")
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ProtocolError(f"sampling_params.{key} must be a finite number (got {shown(v)})")
     return float(v)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 60, 60, 40
+
+
+def shown(value: Any) -> str:
+    """`value` for an error message, abbreviated (a hostile value can be huge: its whole repr is never made)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        return _SHOWN.repr(value)
+    except ValueError:  # an integer beyond 4300 digits inside a list
+        return f"a {type(value).__name__} too large to show"
+
+
+MAX_STOP_IDS = 1024  # the most stop token ids a request may give
+
+
+def token_ids(value: Any, field: str) -> tuple[int, ...]:
+    """A list of at most MAX_STOP_IDS token ids (integers in [0, MAX_INT]; the server checks them against
+    its vocabulary)."""
+    if value is None:
+        return ()
+    if isinstance(value, list) and len(value) > MAX_STOP_IDS:
+        raise ProtocolError(f"{field} has {len(value)} token ids; at most {MAX_STOP_IDS} are accepted")
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_INT for t in value
+    ):
+        raise ProtocolError(f"{field} must be a list of token ids (integers >= 0) (got {shown(value)})")
+    return tuple(sorted(set(value)))
 
 
 def parse_sampling(raw: Any) -> Sampling:
@@ -136,41 +173,40 @@ def parse_sampling(raw: Any) -> Sampling:
     for key, neutral in _NEUTRAL_SAMPLING.items():
         if key in raw and raw[key] not in neutral:
             raise ProtocolError(
-                f"sampling_params.{key}={raw[key]!r} is not supported by the embedded server "
+                f"sampling_params.{key}={shown(raw[key])} is not supported by the embedded server "
                 f"(supported: {neutral[0]!r}); use an SGLang server for it"
             )
-    max_new = _int(raw, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 0)
-    min_new = _int(raw, "min_new_tokens", 0, 0)
+    max_new = _int(raw, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS, 0, MAX_TOKENS)
+    min_new = _int(raw, "min_new_tokens", 0, 0, MAX_TOKENS)
     if min_new > max_new:
         raise ProtocolError(f"min_new_tokens ({min_new}) must be <= max_new_tokens ({max_new})")
     temperature = _float(raw, "temperature", 1.0)
     top_p = _float(raw, "top_p", 1.0)
     top_k = _int(raw, "top_k", -1, -1)
     if temperature < 0:
-        raise ProtocolError(f"temperature must be non-negative (got {temperature})")
+        raise ProtocolError(f"sampling_params.temperature must be non-negative (got {temperature})")
     if not 0 < top_p <= 1:
-        raise ProtocolError(f"top_p must be in (0, 1] (got {top_p})")
+        raise ProtocolError(f"sampling_params.top_p must be in (0, 1] (got {top_p})")
     if top_k == 0:
-        raise ProtocolError("top_k must be -1 (disable), or at least 1 (got 0)")
-    stop = raw.get("stop_token_ids") or []
-    if not isinstance(stop, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
-        raise ProtocolError(f"stop_token_ids must be a list of integers (got {stop!r})")
+        raise ProtocolError("sampling_params.top_k must be -1 (disable), or at least 1 (got 0)")
+    stop = token_ids(raw.get("stop_token_ids") or [], "sampling_params.stop_token_ids")
     texts = raw.get("stop") or []
     texts = [texts] if isinstance(texts, str) else texts
     if not isinstance(texts, list) or not all(isinstance(t, str) and t for t in texts) or len(texts) > 16:
         raise ProtocolError(
-            f"stop must be a text or a list of up to 16 non-empty texts (got {raw.get('stop')!r})"
+            f"sampling_params.stop must be a text or a list of up to 16 non-empty texts "
+            f"(got {shown(raw.get('stop'))})"
         )
     ignore_eos = raw.get("ignore_eos") or False
     if not isinstance(ignore_eos, bool):
-        raise ProtocolError(f"ignore_eos must be a boolean (got {ignore_eos!r})")
+        raise ProtocolError(f"sampling_params.ignore_eos must be a boolean (got {shown(ignore_eos)})")
     return Sampling(
         max_new_tokens=max_new,
         min_new_tokens=min_new,
         temperature=temperature,
         top_p=top_p,
         top_k=0 if top_k < 0 or top_k >= TOP_K_ALL else top_k,
-        stop_token_ids=tuple(sorted(set(stop))),
+        stop_token_ids=stop,
         stop=tuple(dict.fromkeys(texts)),
         ignore_eos=ignore_eos,
         n=_int(raw, "n", 1, 1),
@@ -237,7 +273,7 @@ def parse_generate(body: Any) -> GenerateRequest:
         raise ProtocolError("the body must be a JSON object")
     for key, neutral in _NEUTRAL_REQUEST.items():
         if key in body and body[key] not in neutral:
-            raise ProtocolError(f"{key}={body[key]!r} is not supported by the embedded server")
+            raise ProtocolError(f"{key}={shown(body[key])} is not supported by the embedded server")
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise ProtocolError("give exactly one of `text` or `input_ids`")
