@@ -23,7 +23,7 @@ from arealcli.runtime.wire.sglang import Sampling, finish_length, finish_stop
 if TYPE_CHECKING:
     from arealcli.runtime.generation.decoder import RowDecoder
     from arealcli.runtime.generation.model_runner import ModelRunner
-    from arealcli.runtime.generation.scheduler import Sequence
+    from arealcli.runtime.generation.sequence import Sequence
 
 
 @dataclass
