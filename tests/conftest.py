@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import string
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +240,18 @@ def loop():
     for c in clients:
         loop.run(c.aclose(), timeout=5)
     loop.close()
+
+
+def run_in_thread(fn):
+    """Start fn() in a thread; returns (thread, box) where box gets 'out' or 'err'."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001  (handed to the test)
+            box["err"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, box

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import zipfile
 from pathlib import Path
@@ -36,6 +35,7 @@ from arealcli.runtime.wire.sglang import generate_payload, sampling_params, upda
 from arealcli.schema.components.backends import HFBackendArgs, SGLangBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import SFTArgs
+from tests.conftest import run_in_thread
 
 SPEC = FinetuneSpec(1, 8, 8, 100)
 PROMPT = [20, 21, 22]  # char-tokenizer ids
@@ -76,21 +76,6 @@ def own_logprobs(module, prompt: list[int], ids: list[int]) -> list[float]:
 def max_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
-
-
-def run_in_thread(fn):
-    """Start fn() in a thread; returns (thread, box) where box gets 'out' or 'err'."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001  (handed to the test)
-            box["err"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, box
 
 
 @pytest.fixture(scope="module")

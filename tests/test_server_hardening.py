@@ -24,7 +24,7 @@ from arealcli.runtime.generation.model_runner import ModelRunner
 from arealcli.runtime.generation.scheduler import Scheduler, Sequence
 from arealcli.runtime.wire.auth import CHALLENGE_HEADER, PROOF_HEADER, proof
 from arealcli.runtime.wire.sglang import Sampling
-from tests.conftest import tiny_module
+from tests.conftest import run_in_thread, tiny_module
 
 KEY = "hardening-key-0123456789"
 PROMPT = [20, 21, 22]
@@ -119,20 +119,6 @@ def served(model_dir, weights_root, tmp_path_factory):
         server.stop()
 
 
-def in_thread(fn):
-    box: dict = {}
-
-    def target():
-        try:
-            box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001  (handed to the test)
-            box["err"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, box
-
-
 def result(t: threading.Thread, box: dict, timeout: float = 120):
     t.join(timeout)
     assert not t.is_alive(), "still running"
@@ -148,7 +134,7 @@ def test_poison_requests_get_400_naming_the_field_while_a_concurrent_request_com
     assert served.post("/slow_down", {"forward_sleep_time": 0.05}).status_code == 200
     try:
         long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
-        t, box = in_thread(lambda: served.post("/generate", long))
+        t, box = run_in_thread(lambda: served.post("/generate", long))
         poisons = [
             ("/generate", b'{"input_ids": [20, 21], "sampling_params": {"temperature": NaN}}', "temperature"),
             ("/generate", b'{"input_ids": [20, 21], "sampling_params": {"top_p": Infinity}}', "top_p"),
@@ -256,7 +242,7 @@ def test_a_15_mib_prompt_is_refused_before_tokenizing_while_health_answers(serve
         ("/v1/completions", {"prompt": text, "max_tokens": 1}, "prompt"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
     ]:
-        t, box = in_thread(lambda path=path, body=body: served.post(path, body, timeout=120))
+        t, box = run_in_thread(lambda path=path, body=body: served.post(path, body, timeout=120))
         times = health_latencies(served, t)
         r = result(t, box)
         assert r.status_code == 400, r.text[:300]
@@ -270,7 +256,7 @@ def test_requests_beyond_the_cap_get_429_and_health_still_answers(served):
     assert served.post("/slow_down", {"forward_sleep_time": 0.1}).status_code == 200
     try:
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
-        runs = [in_thread(lambda: served.post("/generate", body)) for _ in range(6)]
+        runs = [run_in_thread(lambda: served.post("/generate", body)) for _ in range(6)]
         assert served.get("/health").status_code == 200
         codes = sorted(result(t, box).status_code for t, box in runs)
     finally:
@@ -391,9 +377,9 @@ def test_a_folder_swapped_for_a_symlink_after_the_check_is_refused(served, weigh
     assert served.post("/slow_down", {"forward_sleep_time": 0.2}).status_code == 200
     try:
         long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}
-        gen = in_thread(lambda: served.post("/generate", long))
+        gen = run_in_thread(lambda: served.post("/generate", long))
         time.sleep(0.5)  # the generation runs
-        update = in_thread(lambda: served.post("/update_weights_from_disk", {"model_path": str(folder)}))
+        update = run_in_thread(lambda: served.post("/update_weights_from_disk", {"model_path": str(folder)}))
         deadline = time.monotonic() + 60
         while waiting() == 0:
             assert time.monotonic() < deadline and gen[0].is_alive(), "the update never waited"

@@ -12,7 +12,6 @@ import functools
 import json
 import os
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from arealcli.runtime.wire.sglang import sampling_params
 from arealcli.schema.components.backends import HFBackendArgs, VLLMBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import SFTArgs
-from tests.conftest import REPO, tiny_module
+from tests.conftest import REPO, run_in_thread, tiny_module
 
 # head_dim 64 (vLLM's CPU attention needs >= 64); untied embeddings: vLLM's CPU build cannot reload a tied
 # lm_head in place (see test_tied_embeddings_cannot_be_reloaded_on_cpu)
@@ -301,21 +300,6 @@ def test_requests_in_flight_during_an_update(gen, model_dir, reference, char_tok
         assert max_diff(out_b.logprobs[0], own_logprobs(other, PROMPT, out_b.output_ids[0], g)) < TOL
     finally:
         gen.backend.update_weights(gen, str(model_dir), 0)
-
-
-def run_in_thread(fn):
-    """Start fn() in a thread; returns (thread, box) where box gets 'out' or 'err'."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001  (handed to the test)
-            box["err"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, box
 
 
 @slow

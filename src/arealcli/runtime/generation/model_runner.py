@@ -14,6 +14,7 @@ import torch
 from arealcli.runtime.generation import decoder as lean_decoder
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.models.model import DTYPES
+from arealcli.runtime.models.weights import load_state
 from arealcli.runtime.wire.sglang import Sampling
 
 
@@ -224,7 +225,7 @@ class ModelRunner:
                 f"the weights in {path} do not fit the served model: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
             )
-        load_state(self.module, state, path)
+        load_state(self.module, state, f"weights {path}")
         self.model_path = str(path)
 
 
@@ -290,16 +291,3 @@ def _read_file(folder: int, name: str, path: str, nofollow: int) -> dict[str, to
             return load(f.read())
     finally:
         os.close(fd)
-
-
-def load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    """Load `state` (HF names) into `module`; lm_head may be tied to the embeddings."""
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight")}
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(
-            f"weights {where} do not match the model: missing {missing}, unexpected {unexpected}"
-        )
-    tie_weights = getattr(module, "tie_weights", None)  # transformers: lm_head shares the embeddings
-    if tied and tie_weights is not None:
-        tie_weights()

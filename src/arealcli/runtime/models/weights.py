@@ -45,12 +45,16 @@ def read_hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def load_hf_weights(module: torch.nn.Module, hf_dir: str | Path) -> None:
     """Load the safetensors weights of an HF export into an already-built module."""
-    missing, unexpected = module.load_state_dict(read_hf_state(hf_dir), strict=False)
+    load_state(module, read_hf_state(hf_dir), f"checkpoint {hf_dir}")
+
+
+def load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load `state` (HF names) into `module`; lm_head may be tied to the embeddings. `where` names the
+    source in the error (`checkpoint DIR`, `weights DIR`)."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")}
     if set(missing) - tied or unexpected:
-        raise RuntimeError(
-            f"checkpoint {hf_dir} does not match the model: missing {missing}, unexpected {unexpected}"
-        )
+        raise RuntimeError(f"{where} does not match the model: missing {missing}, unexpected {unexpected}")
     tie_weights = getattr(module, "tie_weights", None)  # transformers: lm_head shares the embeddings
     if tied and tie_weights is not None:
         tie_weights()
