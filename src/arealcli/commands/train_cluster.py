@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import typer
 
-from arealcli.commands.common import console, err_console, fail, say, say_error
+from arealcli.commands.common import console, err_console, fail, say, say_error, voice
 from arealcli.errors import UserError
 
 
 def launch_cluster(resolved, job, flags) -> None:
     from arealcli.runtime.launchers.plan import export_initial_weights, make_plan, trainer_command
-    from arealcli.runtime.run.session import check_resume, data_parallel_size, prepare_run_dir
+    from arealcli.runtime.run.supervise import check_world, prepare
 
     try:
         plan = make_plan(resolved, job.run_dir, flags.nnodes, flags.nproc_per_node)
+        check_world(resolved, plan.world)
     except UserError as e:
         raise fail(e.lines) from None
-    dp = data_parallel_size(resolved, plan.world)
-    if resolved.dataset.batch_size % dp:
-        from arealcli.runtime.run.trainer import batch_size_problem
-
-        raise fail([batch_size_problem(resolved.dataset.batch_size, dp)])
     command = trainer_command(job.recipe, job.overrides, job.run_dir, flags.resume, plan)
     if flags.launcher == "slurm":
         from arealcli.runtime.launchers.slurm import SlurmJob, render
@@ -41,15 +37,9 @@ def launch_cluster(resolved, job, flags) -> None:
             say(f"  {line}")
         return
     try:
-        replaced = prepare_run_dir(job.run_dir, flags.resume, flags.overwrite, resolved.trainer.permissions)
-        notes = check_resume(resolved, job.recipe.resolve().parent, job.run_dir) if flags.resume else []
+        prepare(resolved, job, flags.overwrite, voice())
     except UserError as e:
         raise fail(e.lines) from None
-    if replaced:
-        say(replaced)
-    job.record()
-    for note in notes:
-        say_error(note, title="note")
     if plan.servers:  # the servers start from the weights the trainer would build
         export_initial_weights(resolved, job.recipe, job.run_dir, sorted({s.model for s in plan.servers}))
     if flags.launcher == "slurm":
