@@ -121,20 +121,19 @@ def train(
         raise fail([f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems])
     run_dir = run_dir_for(resolved, output_dir)
     apply_permissions(resolved.trainer.permissions)  # before anything is written (workers inherit it)
-    if launcher != "local":
-        from arealcli.commands.train_cluster import launch_cluster
-
-        flags = ClusterFlags(launcher, nnodes, nproc_per_node, address, wait, dry_run, resume, overwrite)
-        job = Invocation(recipe, overrides or [], run_dir, run_dir_for(resolved, None), flags.argv(), resume)
-        return launch_cluster(resolved, job, flags)
     spec = LaunchSpec(nproc_per_node, nnodes or 1, node_rank, master_addr, master_port)
-    if node_rank >= spec.nnodes:
+    if launcher == "local" and node_rank >= spec.nnodes:
         raise fail([f"--node-rank {node_rank} must be below --nnodes {spec.nnodes}"])
-    job = Invocation(
-        recipe, overrides or [], run_dir, run_dir_for(resolved, None), supervise.local_flags(spec), resume
-    )
+    cluster = ClusterFlags(launcher, nnodes, nproc_per_node, address, wait, dry_run, resume, overwrite)
+    flags = supervise.local_flags(spec) if launcher == "local" else cluster.argv()
+    job = Invocation(recipe, overrides or [], run_dir, run_dir_for(resolved, None), flags, resume)
     try:
-        supervise.start(resolved, job, spec, overwrite, dry_run, voice())
+        if launcher == "local":
+            supervise.start(resolved, job, spec, overwrite, dry_run, voice())
+        else:
+            from arealcli.runtime.launchers.start import start
+
+            start(resolved, job, cluster, voice())
     except UserError as e:
         raise fail(e.lines) from None
     except supervise.RunEnded as e:
