@@ -17,7 +17,7 @@ LAYERS = {
     "clients": 4, "eval": 4,
     "backends": 5, "agents": 5, "interfaces": 5,
     "run": 6, "serve": 6,
-    "launchers": 7, "bench": 7,
+    "launchers": 7, "evaluate": 7,
 }  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """`areal eval TARGET... [--data PATH] [--n 8] [--k 1,8] [-o results.json]`: greedy accuracy, avg@k,
 pass@k and maj@k of checkpoints or served models on held-out prompts. The orchestration is
-runtime/bench/evaluate.py; this parses, shows progress and the table, and writes where told."""
+runtime/evaluate/session.py; this parses, shows progress and the table, and writes where told."""
 
 from __future__ import annotations
 
@@ -133,8 +133,8 @@ def eval_(
     areal eval http://127.0.0.1:30000 --recipe recipes/quickstart.yaml --n 4
     """
     given = {**locals(), "device": device.value}  # every parameter, as given (first: nothing else yet)
-    from arealcli.runtime.bench import evaluate
     from arealcli.runtime.console.eval_table import eval_table
+    from arealcli.runtime.evaluate import session as evaluate
 
     flags = evaluate.EvalFlags(**given)
     try:

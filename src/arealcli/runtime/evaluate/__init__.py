@@ -1,6 +1,6 @@
 """`areal eval`'s orchestration: held-out evaluation of checkpoints, run directories and served models.
 
-    evaluate   the targets (run directory, checkpoint, model folder, URL) and the recipe that goes with
+    session    the targets (run directory, checkpoint, model folder, URL) and the recipe that goes with
                each; the dataset, reward and generation settings (flags, else the recipe's); one run of
                the evaluation loop (runtime/eval) per target; results.json and the samples beside it
 
