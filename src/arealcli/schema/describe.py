@@ -7,9 +7,13 @@ from __future__ import annotations
 import json
 import types
 import typing
+from typing import Any
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+
+from arealcli.schema.registry import Entry
 
 KINDS = (
     "interfaces",
@@ -44,7 +48,7 @@ SECTIONS = (
 )
 
 
-def type_name(annotation) -> str:
+def type_name(annotation: Any) -> str:
     """A type as a user writes it in a recipe."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
@@ -75,7 +79,7 @@ def readable(default: str) -> str:
     return _flow(value)
 
 
-def _flow(value) -> str:
+def _flow(value: Any) -> str:
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -87,19 +91,19 @@ def _flow(value) -> str:
     return str(value) if not isinstance(value, str) else (value or "''")
 
 
-def _default(field) -> str:
+def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "(required)"
     if field.default is not PydanticUndefined:
         value = field.default.model_dump() if isinstance(field.default, BaseModel) else field.default
         return json.dumps(value)
     if field.default_factory is not None:
-        value = field.default_factory()
+        value = field.default_factory()  # type: ignore[call-arg]
         return json.dumps(value.model_dump() if isinstance(value, BaseModel) else value)
     return "(default)"
 
 
-def _nested_model(annotation) -> type[BaseModel] | None:
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
     candidates = [annotation, *typing.get_args(annotation)]
     for c in candidates:
         if isinstance(c, type) and issubclass(c, BaseModel):
@@ -107,7 +111,7 @@ def _nested_model(annotation) -> type[BaseModel] | None:
     return None
 
 
-def describe_args(model: type[BaseModel], prefix: str = "", expand: bool = False) -> list[dict]:
+def describe_args(model: type[BaseModel], prefix: str = "", expand: bool = False) -> list[dict[str, str]]:
     """One row per argument; with `expand`, nested settings as `parent.child` rows too."""
     rows = []
     for name, f in model.model_fields.items():
@@ -128,7 +132,7 @@ def describe_args(model: type[BaseModel], prefix: str = "", expand: bool = False
     return rows
 
 
-def entry_payload(kind: str, e, expand: bool = False) -> dict:
+def entry_payload(kind: str, e: Entry, expand: bool = False) -> dict[str, Any]:
     return {
         "name": e.name,
         "kind": singular(kind),
@@ -141,7 +145,7 @@ def entry_payload(kind: str, e, expand: bool = False) -> dict:
     }
 
 
-def section_rows(name: str) -> list[dict]:
+def section_rows(name: str) -> list[dict[str, str]]:
     """The keys of a recipe section, as an override writes them (`trainer.max_steps`)."""
     from arealcli.schema.json_schema import PresetDataflow
     from arealcli.schema.recipe import (

@@ -287,8 +287,9 @@ def _model(s: Target, job: EvalJob, tok):
 
     workflow = job.settings["workflow"]
     if s.found is not None:
-        device = "cuda" if job.flags.device == "cuda" else "cpu"
-        return LocalTarget(str(s.found.model_dir), tok, device, workflow=workflow)
+        return LocalTarget(
+            str(s.found.model_dir), tok, "cuda" if job.flags.device == "cuda" else "cpu", workflow=workflow
+        )
     if workflow is not None:
         raise UserError(
             f"{s.target}: the recipe's actor generates episodes ({workflow['type_']}), which "
