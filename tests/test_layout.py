@@ -17,7 +17,7 @@ LAYERS = {
     "clients": 4, "eval": 4,
     "backends": 5, "agents": 5, "interfaces": 5,
     "run": 6, "serve": 6,
-    "launchers": 7,
+    "launchers": 7, "evaluate": 7,
 }  # fmt: skip
 
 
@@ -93,3 +93,19 @@ def test_few_loose_modules_and_every_folder_says_what_lives_there():
     assert {p.name for p in RUNTIME.iterdir() if p.is_dir() and p.name != "__pycache__"} <= set(LAYERS)
     for init in SRC.rglob("__init__.py"):
         assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
+
+
+def test_commands_only_parse_call_and_print():
+    """Every `commands/*.py` parses, calls one function of the runtime and prints: each file under 200
+    lines, its longest function (a typer command's parameter list included) under 60."""
+    commands = sorted((SRC / "arealcli" / "commands").glob("*.py"))
+    long_files = [f"{p.name}: {n} lines" for p in commands if (n := len(p.read_text().splitlines())) >= 200]
+    assert not long_files, long_files
+    long_functions = [
+        f"{p.name}: {node.name} is {node.end_lineno - node.lineno + 1} lines"
+        for p in commands
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno - node.lineno + 1 >= 60
+    ]
+    assert not long_functions, long_functions

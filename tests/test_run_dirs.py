@@ -72,3 +72,41 @@ def test_non_finite_loss_stops_training(ws, cli):
     assert "Traceback" not in result.output
     logged = (ws.root / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(logged) < 20  # it did not go on to the end
+
+
+def test_a_dry_run_refuses_what_the_run_refuses_and_writes_nothing(ws, cli, monkeypatch):
+    """`--dry-run` is the run-directory policy itself, told not to write: the same refusals, the same
+    exit code, and nothing created, removed or recorded."""
+    recipe = ws.recipe(trainer={"max_steps": 1})
+    mine = ws.root / "my-results"
+    mine.mkdir()
+    (mine / "precious.txt").write_text("results")
+    here = ws.root / "here"
+    here.mkdir()
+    (here / RUN_MARKER).write_text("")
+    (here / "metrics.jsonl").write_text('{"step": 1}\n')
+    (ws.root / "afile").write_text("x")
+    refusals = [
+        (["-o", mine, "--overwrite"], "was not created by `areal train`"),
+        (["-o", ws.root / "afile"], "is a file"),
+        (["-o", ws.root / "new", "--resume"], "no checkpoints to resume from"),
+        (["-o", here, "--resume", "--overwrite"], "exclude each other"),
+        (["-o", here], "already exists"),
+    ]
+    for args, said in refusals:
+        for dry in ([], ["--dry-run"]):
+            result = cli("train", recipe, *args, *dry)
+            assert result.exit_code == 2 and said in result.stderr, (args, dry, result.output)
+    monkeypatch.chdir(here)
+    result = cli("train", recipe, "-o", ".", "--overwrite", "--dry-run")
+    assert result.exit_code == 2 and "will not remove" in result.stderr
+    result = cli("train", recipe, "-o", here, "--overwrite", "--dry-run")
+    assert result.exit_code == 2 and "will not remove" in result.stderr
+    monkeypatch.chdir(ws.root)
+    result = cli("train", recipe, "-o", here, "--overwrite", "--dry-run")
+    assert result.exit_code == 0 and f"dry run: would replace {here} and train" in result.stdout
+    result = cli("train", recipe, "-o", ws.root / "fresh", "--dry-run")
+    assert result.exit_code == 0 and "dry run: would create" in result.stdout
+    assert (mine / "precious.txt").read_text() == "results" and (here / "metrics.jsonl").exists()
+    assert not (ws.root / "new").exists() and not (ws.root / "fresh").exists()
+    assert sorted(p.name for p in here.iterdir()) == sorted([RUN_MARKER, "metrics.jsonl"])

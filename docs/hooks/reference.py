@@ -47,7 +47,7 @@ def _code(text: str) -> str:
 
 def _rows_table(rows: list[dict]) -> list[str]:
     """`key | type | default | meaning` rows of `areal list`'s walk, one per key."""
-    from arealcli.commands.list_ import readable
+    from arealcli.schema.describe import readable
 
     if not rows:
         return ["No arguments.", ""]
@@ -62,18 +62,18 @@ def _rows_table(rows: list[dict]) -> list[str]:
 
 def section_keys() -> dict[str, list[dict]]:
     """Each recipe section's rows (`trainer.max_steps`, ...), as `areal list SECTION` shows them."""
-    from arealcli.commands.list_ import SECTIONS, section_rows
+    from arealcli.schema.describe import SECTIONS, section_rows
 
     return {name: section_rows(name) for name in SECTIONS}
 
 
 def component_entries() -> dict[str, list[dict]]:
     """Each kind's registered components (built-ins and installed plugins), as `areal list KIND`."""
-    from arealcli.commands.list_ import KINDS, _entry_payload
+    from arealcli.schema.describe import KINDS, entry_payload
     from arealcli.schema.registry import ALL, import_plugins
 
     import_plugins([])
-    return {k: [_entry_payload(k, e, expand=True) for e in ALL[k].entries()] for k in KINDS}
+    return {k: [entry_payload(k, e, expand=True) for e in ALL[k].entries()] for k in KINDS}
 
 
 def recipe_reference_markdown() -> str:

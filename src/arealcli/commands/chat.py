@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -11,48 +12,73 @@ from arealcli.commands.common import console, err_console, fail, say_error
 from arealcli.commands.serve import Device, Dtype
 from arealcli.errors import UserError
 
-
-def chat(
-    target: str = typer.Argument(
-        ...,
+Target = Annotated[
+    str,
+    typer.Argument(
         metavar="TARGET",
         help="A model folder, a run directory (its latest checkpoint), one checkpoint, or an http(s) URL.",
     ),
-    model: str = typer.Option(
-        None,
+]
+Model = Annotated[
+    str | None,
+    typer.Option(
         "--model",
         metavar="NAME",
         help="Run directory: which model (default: the one the recipe generates with). URL: the served "
         "model's name (default: the first listed).",
     ),
-    step: int = typer.Option(
-        None,
-        "--step",
-        min=0,
-        metavar="N",
-        help="Run directory: the checkpoint of step N (default: the latest).",
+]
+Step = Annotated[
+    int | None,
+    typer.Option(
+        "--step", min=0, metavar="N", help="Run directory: the checkpoint of step N (default: the latest)."
     ),
-    temperature: float = typer.Option(0.7, min=0, metavar="T", help="Sampling temperature; 0 = greedy."),
-    top_p: float = typer.Option(
-        1.0, "--top-p", min=0.01, max=1, metavar="P", help="Sample from the most likely tokens making up P."
+]
+Temperature = Annotated[float, typer.Option(min=0, metavar="T", help="Sampling temperature; 0 = greedy.")]
+TopP = Annotated[
+    float,
+    typer.Option(
+        "--top-p", min=0.01, max=1, metavar="P", help="Sample from the most likely tokens making up P."
     ),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1, metavar="N", help="Longest reply."),
-    system: str = typer.Option(None, "--system", metavar="TEXT", help="A system message opening the chat."),
-    completion: bool = typer.Option(
-        False, "--completion", metavar="", help="Plain completion even if the model has a chat template."
-    ),
-    device: Device = typer.Option(Device.auto, help="Local models: auto = cuda when available, else cpu."),
-    dtype: Dtype = typer.Option(Dtype.float32, help="Local models: weights and compute dtype."),
-    seed: int = typer.Option(
-        None, "--seed", metavar="N", help="Local models: seed the sampling (same seed, same replies)."
-    ),
-    send_key: bool = typer.Option(
-        False,
+]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, metavar="N", help="Longest reply.")]
+System = Annotated[
+    str | None, typer.Option("--system", metavar="TEXT", help="A system message opening the chat.")
+]
+Completion = Annotated[
+    bool,
+    typer.Option("--completion", metavar="", help="Plain completion even if the model has a chat template."),
+]
+DeviceOpt = Annotated[Device, typer.Option(help="Local models: auto = cuda when available, else cpu.")]
+DtypeOpt = Annotated[Dtype, typer.Option(help="Local models: weights and compute dtype.")]
+Seed = Annotated[
+    int | None,
+    typer.Option("--seed", metavar="N", help="Local models: seed the sampling (same seed, same replies)."),
+]
+SendKey = Annotated[
+    bool,
+    typer.Option(
         "--send-key",
         metavar="",
         help="URL: send AREAL_API_KEY to it although it is not on this machine (loopback URLs get it "
         "without this flag).",
     ),
+]
+
+
+def chat(
+    target: Target,
+    model: Model = None,
+    step: Step = None,
+    temperature: Temperature = 0.7,
+    top_p: TopP = 1.0,
+    max_new_tokens: MaxNewTokens = 256,
+    system: System = None,
+    completion: Completion = False,
+    device: DeviceOpt = Device.auto,
+    dtype: DtypeOpt = Dtype.float32,
+    seed: Seed = None,
+    send_key: SendKey = False,
 ) -> None:
     """Chat in the terminal with a model; plain completion for models without a chat template.
 
@@ -67,27 +93,10 @@ def chat(
     With stdin piped, each message's reply is printed as plain text.
     """
     from arealcli.runtime.console.chat import ChatScreen, Conversation, SamplingFlags
-    from arealcli.runtime.run.targets import find_model, is_url
 
     flags = SamplingFlags(temperature, top_p, max_new_tokens)
     try:
-        if is_url(target):
-            if step is not None:
-                raise UserError("--step chooses a checkpoint of a run directory, not of a URL")
-            from arealcli.runtime.serve.chat import RemoteChat, key_withheld, withheld_note
-
-            if key_withheld(target, send_key):
-                say_error(withheld_note(target), title="note")
-            engine = RemoteChat(target, model, send_key=send_key)
-        else:
-            found = find_model(Path(target).expanduser(), model, step)
-            from arealcli.runtime.serve.chat import LocalChat
-
-            if seed is not None:
-                import torch
-
-                torch.manual_seed(seed)
-            engine = LocalChat(str(found.model_dir), found.describe(), device.value, dtype.value)
+        engine = _engine(target, model, step, device.value, dtype.value, seed, send_key)
     except UserError as e:
         raise fail(e.lines) from None
     interactive = sys.stdin.isatty()
@@ -98,3 +107,26 @@ def chat(
         raise fail(e.lines) from None
     finally:
         engine.close()
+
+
+def _engine(target: str, model, step, device: str, dtype: str, seed, send_key: bool):
+    """What answers: a server at a URL (a note when the key is withheld from it), or a model loaded
+    here from a folder, a run directory or a checkpoint. UserError when the target is not one."""
+    from arealcli.runtime.run.targets import find_model, is_url
+
+    if is_url(target):
+        if step is not None:
+            raise UserError("--step chooses a checkpoint of a run directory, not of a URL")
+        from arealcli.runtime.serve.chat import RemoteChat, key_withheld, withheld_note
+
+        if key_withheld(target, send_key):
+            say_error(withheld_note(target), title="note")
+        return RemoteChat(target, model, send_key=send_key)
+    found = find_model(Path(target).expanduser(), model, step)
+    from arealcli.runtime.serve.chat import LocalChat
+
+    if seed is not None:
+        import torch
+
+        torch.manual_seed(seed)
+    return LocalChat(str(found.model_dir), found.describe(), device, dtype)

@@ -30,6 +30,25 @@ def say_error(line: str, title: str = "error") -> None:
     err_console.print(text, soft_wrap=not err_console.is_terminal)  # a terminal: wrapped between words
 
 
+def say_stop(lines: list[str]) -> None:
+    """The stop message on stderr: the first line wrapped between words in a terminal, the command on
+    its own line, never broken (a terminal's own wrap keeps it one line for copying)."""
+    say(lines[0], err_console)
+    label, _, command = lines[1].partition(": ")
+    if err_console.is_terminal and len(lines[1]) > err_console.width >= len(command):
+        err_console.print(Text(f"{label}:"))  # the command whole on the next line
+        err_console.print(Text(command), soft_wrap=True)
+    else:
+        err_console.print(Text(lines[1]), soft_wrap=True)
+
+
+def voice():
+    """How a supervised run speaks here: the consoles above (runtime/run/supervise.py's Voice)."""
+    from arealcli.runtime.run.supervise import Voice
+
+    return Voice(console, say, say_error, say_stop)
+
+
 def fail(lines: list[str], title: str = "error") -> typer.Exit:
     for line in lines:
         say_error(line, title)

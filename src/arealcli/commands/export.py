@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -15,34 +16,50 @@ from arealcli.errors import UserError
 TRUE = ("1", "ON", "YES", "TRUE")
 
 
+RunDir = Annotated[
+    Path, typer.Argument(metavar="RUN", help="A run directory of areal train (or one of its checkpoints).")
+]
+OutDir = Annotated[
+    Path | None,
+    typer.Argument(metavar="DIR", show_default=False, help="The folder to write (new or empty); or -o DIR."),
+]
+Output = Annotated[
+    Path | None, typer.Option("--output", "-o", metavar="DIR", help="The folder to write (new or empty).")
+]
+Step = Annotated[
+    int | None,
+    typer.Option("--step", min=0, metavar="N", help="The checkpoint of step N (default: the latest)."),
+]
+Model = Annotated[
+    str | None,
+    typer.Option("--model", metavar="NAME", help="Which model (default: the one the recipe generates with)."),
+]
+Adapter = Annotated[
+    bool,
+    typer.Option(
+        "--adapter", metavar="", help="LoRA runs: the adapters alone (peft) instead of merged weights."
+    ),
+]
+Force = Annotated[
+    bool, typer.Option("--force", metavar="", help="Replace DIR if an earlier areal export wrote it.")
+]
+PushToHub = Annotated[
+    str | None,
+    typer.Option(
+        "--push-to-hub", metavar="REPO", help="Then upload the folder to this Hub repository (owner/name)."
+    ),
+]
+
+
 def export(
-    run_dir: Path = typer.Argument(
-        ..., metavar="RUN", help="A run directory of areal train (or one of its checkpoints)."
-    ),
-    out_dir: Path = typer.Argument(
-        None, metavar="DIR", show_default=False, help="The folder to write (new or empty); or -o DIR."
-    ),
-    output: Path = typer.Option(
-        None, "--output", "-o", metavar="DIR", help="The folder to write (new or empty)."
-    ),
-    step: int = typer.Option(
-        None, "--step", min=0, metavar="N", help="The checkpoint of step N (default: the latest)."
-    ),
-    model: str = typer.Option(
-        None, "--model", metavar="NAME", help="Which model (default: the one the recipe generates with)."
-    ),
-    adapter: bool = typer.Option(
-        False, "--adapter", metavar="", help="LoRA runs: the adapters alone (peft) instead of merged weights."
-    ),
-    force: bool = typer.Option(
-        False, "--force", metavar="", help="Replace DIR if an earlier areal export wrote it."
-    ),
-    push_to_hub: str = typer.Option(
-        None,
-        "--push-to-hub",
-        metavar="REPO",
-        help="Then upload the folder to this Hub repository (owner/name).",
-    ),
+    run_dir: RunDir,
+    out_dir: OutDir = None,
+    output: Output = None,
+    step: Step = None,
+    model: Model = None,
+    adapter: Adapter = False,
+    force: Force = False,
+    push_to_hub: PushToHub = None,
 ) -> None:
     """Export a run's checkpoint as a Hugging Face model folder with a model card.
 

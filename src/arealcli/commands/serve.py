@@ -3,14 +3,15 @@ OpenAI's (/v1/completions, /v1/chat/completions, /v1/models)."""
 
 from __future__ import annotations
 
-import os
 from enum import Enum
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
 from arealcli.commands.common import console, fail
-from arealcli.runtime.wire.auth import ADMIN_KEY_ENV, API_KEY_ENV, WEIGHTS_DIR_ENV
+from arealcli.errors import UserError
+from arealcli.runtime.wire.auth import ADMIN_KEY_ENV, API_KEY_ENV
 
 
 class Device(str, Enum):
@@ -25,45 +26,54 @@ class Dtype(str, Enum):
     float16 = "float16"
 
 
-def serve(
-    model: Path = typer.Option(
-        ..., "--model", "--model-path", metavar="DIR", help="Hugging Face model directory to serve."
-    ),
-    host: str = typer.Option("127.0.0.1", metavar="HOST", help="Interface to listen on."),
-    port: int = typer.Option(30000, metavar="PORT", help="Port; 0 picks a free one (printed when ready)."),
-    device: Device = typer.Option(Device.auto, help="auto = cuda when available, else cpu."),
-    dtype: Dtype = typer.Option(Dtype.float32, help="Weights and compute dtype."),
-    batch_window_ms: float = typer.Option(
-        5.0,
+Model = Annotated[
+    Path,
+    typer.Option("--model", "--model-path", metavar="DIR", help="Hugging Face model directory to serve."),
+]
+Host = Annotated[str, typer.Option(metavar="HOST", help="Interface to listen on.")]
+Port = Annotated[int, typer.Option(metavar="PORT", help="Port; 0 picks a free one (printed when ready).")]
+DeviceOpt = Annotated[Device, typer.Option(help="auto = cuda when available, else cpu.")]
+DtypeOpt = Annotated[Dtype, typer.Option(help="Weights and compute dtype.")]
+BatchWindow = Annotated[
+    float,
+    typer.Option(
         min=0,
         help="Batch requests that arrive within this long of each other (waiting at most 10x this long).",
     ),
-    max_batch_size: int = typer.Option(
-        256, min=1, help="Most samples in one generate call, and most prompts in one request."
-    ),
-    max_n: int = typer.Option(64, min=1, help="Most samples per prompt (n) in one request."),
-    max_body_mb: int = typer.Option(16, min=1, help="Largest request body in MiB (larger: 413)."),
-    max_connections: int = typer.Option(
-        1024,
+]
+MaxBatchSize = Annotated[
+    int, typer.Option(min=1, help="Most samples in one generate call, and most prompts in one request.")
+]
+MaxN = Annotated[int, typer.Option(min=1, help="Most samples per prompt (n) in one request.")]
+MaxBodyMb = Annotated[int, typer.Option(min=1, help="Largest request body in MiB (larger: 413).")]
+MaxConnections = Annotated[
+    int,
+    typer.Option(
         min=1,
         help="Most open connections (lowered to fit the open-file limit); at the cap the longest-idle one is "
         "closed for a new one.",
     ),
-    max_requests: int = typer.Option(
-        1024,
+]
+MaxRequests = Annotated[
+    int,
+    typer.Option(
         min=1,
         help="Most generation requests in flight (beyond: 429); /health and control endpoints are not counted.",
     ),
-    api_key: str = typer.Option(
-        None,
+]
+ApiKey = Annotated[
+    str | None,
+    typer.Option(
         "--api-key",
         envvar=API_KEY_ENV,
         metavar="KEY",
         help="Require Authorization: Bearer KEY on every endpoint but /health (prefer the AREAL_API_KEY "
         "variable: a command line is visible to `ps`).",
     ),
-    admin_key: str = typer.Option(
-        None,
+]
+AdminKey = Annotated[
+    str | None,
+    typer.Option(
         "--admin-key",
         envvar=ADMIN_KEY_ENV,
         metavar="KEY",
@@ -71,17 +81,43 @@ def serve(
         "the API key. Read from AREAL_ADMIN_KEY when that is set: a server started where it is exported "
         "requires it on those endpoints (the startup line says so).",
     ),
-    allow_unauthenticated: bool = typer.Option(
-        False,
+]
+AllowUnauthenticated = Annotated[
+    bool,
+    typer.Option(
         "--allow-unauthenticated",
         metavar="",
         help="Listen on an address other machines reach without a key (refused otherwise).",
     ),
-    weight_version: str = typer.Option("default", help="weight_version reported until an update sets one."),
-    num_threads: int = typer.Option(
-        0, min=0, help="torch CPU threads (0 = torch's default; 1 is fastest for small models on busy CPUs)."
+]
+WeightVersion = Annotated[str, typer.Option(help="weight_version reported until an update sets one.")]
+NumThreads = Annotated[
+    int,
+    typer.Option(
+        min=0, help="torch CPU threads (0 = torch's default; 1 is fastest for small models on busy CPUs)."
     ),
-    log_requests: bool = typer.Option(False, "--log-requests", help="Log every HTTP request.", metavar=""),
+]
+LogRequests = Annotated[bool, typer.Option("--log-requests", help="Log every HTTP request.", metavar="")]
+
+
+def serve(
+    model: Model,
+    host: Host = "127.0.0.1",
+    port: Port = 30000,
+    device: DeviceOpt = Device.auto,
+    dtype: DtypeOpt = Dtype.float32,
+    batch_window_ms: BatchWindow = 5.0,
+    max_batch_size: MaxBatchSize = 256,
+    max_n: MaxN = 64,
+    max_body_mb: MaxBodyMb = 16,
+    max_connections: MaxConnections = 1024,
+    max_requests: MaxRequests = 1024,
+    api_key: ApiKey = None,
+    admin_key: AdminKey = None,
+    allow_unauthenticated: AllowUnauthenticated = False,
+    weight_version: WeightVersion = "default",
+    num_threads: NumThreads = 0,
+    log_requests: LogRequests = False,
 ) -> None:
     """Serve a model for generation: OpenAI's API under /v1 (completions, chat) and SGLang's native protocol.
 
@@ -93,76 +129,24 @@ def serve(
     areal serve --model runs/quickstart/checkpoints/step_00000250/actor --port 0
     areal serve --model /models/Qwen2.5-0.5B --device cuda --dtype bfloat16
     """
-    if not (model / "config.json").is_file():
-        raise fail([f"--model {model}: not a Hugging Face model directory (no config.json)"])
-    if admin_key is not None and api_key is None:
-        raise fail(["--admin-key needs --api-key (or AREAL_API_KEY): the other endpoints would be open"])
-    if api_key is None and not allow_unauthenticated and not _loopback(host):
-        raise fail(
-            [
-                f"--host {host}: other machines can reach this address, and the server has no key. Set "
-                "AREAL_API_KEY (or --api-key), or pass --allow-unauthenticated to serve without one"
-            ]
-        )
-    from arealcli.runtime.serve.http_server import Keys, make_server, serve_forever
+    given = {**locals(), "device": device.value, "dtype": dtype.value}  # the parameters, first
+    from arealcli.runtime.serve import start
 
-    if num_threads:
-        import torch
-
-        torch.set_num_threads(num_threads)
-
+    flags = start.ServeFlags(**given)
     try:
-        server = make_server(
-            str(model.resolve()),
-            host,
-            port,
-            device.value,
-            dtype.value,
-            batch_window_ms,
-            max_batch_size,
-            weight_version,
-            log_requests,
-            max_n,
-            max_body_mb,
-            Keys(api_key, admin_key),
-            os.environ.get(WEIGHTS_DIR_ENV),  # set for the servers a run launches
-            max_connections,
-            max_requests,
-        )
-    except OSError as e:
-        raise fail([str(e)]) from None
+        start.refuse(flags)
+        server = start.server(flags)  # bound, its model loaded
+    except (UserError, OSError) as e:
+        raise fail(e.lines if isinstance(e, UserError) else [str(e)]) from None
 
     def ready(h: str, p: int) -> None:
         console.print(
             f"serving {model} at http://{h}:{p} (SGLang native protocol; OpenAI-compatible under /v1)",
             highlight=False,
         )
-        console.print(_keys_line(api_key, admin_key), highlight=False)
+        console.print(start.keys_line(api_key, admin_key), highlight=False)
 
     try:
-        serve_forever(server, ready)
+        start.serve_forever(server, ready)
     except KeyboardInterrupt:
         console.print("stopped")
-
-
-def _keys_line(api_key: str | None, admin_key: str | None) -> str:
-    """Which keys the server asks for (never the keys): a 403 on a weight update is then explained."""
-    if api_key is None:
-        return "no key (AREAL_API_KEY unset): every endpoint answers whoever can reach this address"
-    if admin_key is None or admin_key == api_key:
-        return "keyed: every endpoint but /health needs the API key (AREAL_API_KEY)"
-    return (
-        "keyed: every endpoint but /health needs the API key (AREAL_API_KEY); weight updates, abort, "
-        "slow_down and flush_cache need the admin key (AREAL_ADMIN_KEY or --admin-key)"
-    )
-
-
-def _loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -8,6 +8,6 @@ Folders, in layers (a package imports, anywhere in its code, only packages of lo
     4  clients, eval
     5  backends, agents, interfaces
     6  run, serve
-    7  launchers
+    7  launchers, evaluate (`areal eval`'s orchestration)
 `tests/test_layout.py` holds the house to this.
 """

@@ -1,5 +1,6 @@
 """Multi-node launchers of `areal train --launcher slurm|ray`: a plan of what runs on which node
-(`plan`), a Slurm batch script (`slurm`), Ray actors in a placement group (`ray`), and the wait for
-servers to answer (`health`). Each starts the generation servers of `cluster.allocation` on their nodes
+(`plan`), a Slurm batch script (`slurm`), Ray actors in a placement group (`ray`), the wait for servers
+to answer (`health`), and the cluster run itself (`start`: dry run, the run directory prepared as a
+local run's, submit, follow). Each starts the generation servers of `cluster.allocation` on their nodes
 and `areal train --nnodes K --node-rank r` on each trainer node (torch's elastic agent and its
 rendezvous, as on one machine)."""

@@ -71,19 +71,24 @@ def _protected(run_dir: Path) -> bool:
     return target == here or target in here.parents or target == Path.home().resolve()
 
 
-def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool, permissions: str = "private") -> str | None:
+def prepare_run_dir(
+    run_dir: Path, resume: bool, overwrite: bool, permissions: str = "private", dry_run: bool = False
+) -> str | None:
     """Make `run_dir` ready (created, marked as ours, its mode per `permissions`: 0700 or 0750, also on
     resume, whatever its mode was), or raise UserError saying why not. Never removes a directory this
-    tool did not create. Returns a line to show when it replaced a failed start."""
+    tool did not create. Returns a line to show when it replaced a failed start. `dry_run`: the same
+    refusals, nothing removed or written (`areal train --dry-run`)."""
     if resume and overwrite:
         raise UserError("--resume and --overwrite exclude each other")
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"run directory {run_dir} is a file; give a directory with --output-dir")
     replaced = None
     if run_dir.is_dir() and any(run_dir.iterdir()) and not resume:
-        replaced = _clear(run_dir, overwrite)
-    if resume and not (run_dir / "checkpoints").exists():
+        replaced = _clear(run_dir, overwrite, dry_run)
+    if resume and not (run_dir / "checkpoints").is_dir():
         raise UserError(f"--resume: {run_dir} has no checkpoints to resume from")
+    if dry_run:
+        return replaced
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         _set_mode(run_dir, PERMISSIONS[permissions][1])
@@ -98,8 +103,9 @@ def _set_mode(folder: Path, mode: int) -> None:
     folder.chmod(mode | (folder.stat().st_mode & stat.S_ISGID))
 
 
-def _clear(run_dir: Path, overwrite: bool) -> str | None:
-    """An existing, non-empty run directory without --resume: removed when ours and allowed."""
+def _clear(run_dir: Path, overwrite: bool, dry_run: bool = False) -> str | None:
+    """An existing, non-empty run directory without --resume: removed when ours and allowed (`dry_run`:
+    only said)."""
     if not (run_dir / RUN_MARKER).is_file():
         raise UserError(
             f"{run_dir} already exists and was not created by `areal train` (it has no "
@@ -111,10 +117,12 @@ def _clear(run_dir: Path, overwrite: bool) -> str | None:
             f"--overwrite will not remove {run_dir}: it is the current, a parent or the home folder"
         )
     if overwrite:
-        shutil.rmtree(run_dir)
+        if not dry_run:
+            shutil.rmtree(run_dir)
         return None
     if not has_results(run_dir):  # a run that failed during setup: nothing to lose
-        shutil.rmtree(run_dir)
+        if not dry_run:
+            shutil.rmtree(run_dir)
         return f"replacing {run_dir}: its run stopped before logging a step"
     raise UserError(
         f"run directory {run_dir} already exists. Use --resume to continue it, --overwrite to "
@@ -122,10 +130,10 @@ def _clear(run_dir: Path, overwrite: bool) -> str | None:
     )
 
 
-def check_resume(resolved, recipe_dir: Path, run_dir: Path) -> list[str]:
+def check_resume(resolved, recipe_dir: Path, run_dir: Path, dry_run: bool = False) -> list[str]:
     """--resume with the run's own recipe: refuse a difference that would train something else (listing
     it); allow and record the ones that only change length, logging and connections. Returns the notes
-    on what changed."""
+    on what changed (`dry_run`: on what would change; nothing recorded)."""
     import yaml
 
     from arealcli.schema.resume import differences, with_absolute_paths
@@ -145,6 +153,8 @@ def check_resume(resolved, recipe_dir: Path, run_dir: Path) -> list[str]:
             "the changes allowed on resume: max_steps, logging, eval and save cadence, server "
             "connections), or start a new run (--output-dir)",
         )
+    if dry_run:
+        return [f"resuming would change a setting: {line}" for line in allowed]
     if not allowed:
         return []
     history = run_dir / "recipe-history"

@@ -1,0 +1,106 @@
+"""`areal serve`'s start: its flags (`ServeFlags`), the refusals before anything loads (`refuse`), the
+server bound and its model loaded (`server`), and the line that says which keys it asks for."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from arealcli.errors import UserError
+from arealcli.runtime.wire.auth import WEIGHTS_DIR_ENV
+
+
+@dataclass
+class ServeFlags:
+    """`areal serve`'s command line, as given."""
+
+    model: Path
+    host: str
+    port: int
+    device: str
+    dtype: str
+    batch_window_ms: float
+    max_batch_size: int
+    max_n: int
+    max_body_mb: int
+    max_connections: int
+    max_requests: int
+    api_key: str | None
+    admin_key: str | None
+    allow_unauthenticated: bool
+    weight_version: str
+    num_threads: int
+    log_requests: bool
+
+
+def refuse(f: ServeFlags) -> None:
+    """UserError (exit 2) on a folder that is not a model, an admin key alone, or a reachable address
+    without a key."""
+    if not (f.model / "config.json").is_file():
+        raise UserError(f"--model {f.model}: not a Hugging Face model directory (no config.json)")
+    if f.admin_key is not None and f.api_key is None:
+        raise UserError("--admin-key needs --api-key (or AREAL_API_KEY): the other endpoints would be open")
+    if f.api_key is None and not f.allow_unauthenticated and not loopback(f.host):
+        raise UserError(
+            f"--host {f.host}: other machines can reach this address, and the server has no key. Set "
+            "AREAL_API_KEY (or --api-key), or pass --allow-unauthenticated to serve without one"
+        )
+
+
+def server(f: ServeFlags):
+    """The bound server, its model loaded (torch's thread count set first); OSError when it cannot
+    listen. (The server's module, torch with it, is imported only here: a refusal comes at once.)"""
+    from arealcli.runtime.serve.http_server import Keys, make_server
+
+    if f.num_threads:
+        import torch
+
+        torch.set_num_threads(f.num_threads)
+    return make_server(
+        str(f.model.resolve()),
+        f.host,
+        f.port,
+        f.device,
+        f.dtype,
+        f.batch_window_ms,
+        f.max_batch_size,
+        f.weight_version,
+        f.log_requests,
+        f.max_n,
+        f.max_body_mb,
+        Keys(f.api_key, f.admin_key),
+        os.environ.get(WEIGHTS_DIR_ENV),  # set for the servers a run launches
+        f.max_connections,
+        f.max_requests,
+    )
+
+
+def keys_line(api_key: str | None, admin_key: str | None) -> str:
+    """Which keys the server asks for (never the keys): a 403 on a weight update is then explained."""
+    if api_key is None:
+        return "no key (AREAL_API_KEY unset): every endpoint answers whoever can reach this address"
+    if admin_key is None or admin_key == api_key:
+        return "keyed: every endpoint but /health needs the API key (AREAL_API_KEY)"
+    return (
+        "keyed: every endpoint but /health needs the API key (AREAL_API_KEY); weight updates, abort, "
+        "slow_down and flush_cache need the admin key (AREAL_ADMIN_KEY or --admin-key)"
+    )
+
+
+def loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_forever(server, ready) -> None:
+    """Answer requests until Ctrl-C (KeyboardInterrupt); `ready(host, port)` once listening."""
+    from arealcli.runtime.serve.http_server import serve_forever as forever
+
+    forever(server, ready)
