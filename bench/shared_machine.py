@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {
     "passive": {},  # the default (arealcli sets OMP_WAIT_POLICY=PASSIVE)
     "spinning": {"GOMP_SPINCOUNT": "300000"},  # libgomp's default when no policy is set
+    "short spin": {"GOMP_SPINCOUNT": "20000"},  # about 0.2 ms of spinning, then sleep
     "1 thread": {"OMP_NUM_THREADS": "1"},
 }
 BUSY = "import time\nend = time.time() + 3600\nwhile time.time() < end: pass\n"
