@@ -55,7 +55,7 @@ def test_cispo_by_hand():
     assert torch.allclose(logp.grad, torch.tensor([[-0.6, 0.5]]))  # the clipped token still learns
     assert float(stats["clip_frac"]) == pytest.approx(0.5)
     ppo_loss, _ = V.ppo(logp.detach().requires_grad_(), old, adv, mask, args(eps_clip=0.2))
-    assert float(ppo_loss) != pytest.approx(float(loss.detach()))
+    assert float(ppo_loss.detach()) != pytest.approx(float(loss.detach()))
 
 
 def test_gspo_is_ppo_with_a_sequence_ratio():
