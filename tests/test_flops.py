@@ -34,11 +34,6 @@ def test_the_formula_counts_what_torch_counts(char_tok, tied):
     assert flops.train_flops(shape, lens) == pytest.approx(counted_train, rel=0.02)
 
 
-def test_matmul_peak_is_a_rate():
-    peak = flops.matmul_peak(torch.float32, size=256, seconds=0.05)
-    assert 1e8 < peak < 1e15  # FLOP/s: from a slow core to a big machine
-
-
 def test_the_summary_says_the_share_of_peak(tmp_path):
     import json
 
@@ -55,3 +50,18 @@ def test_the_summary_says_the_share_of_peak(tmp_path):
     )
     assert "fp32 100 GFLOP/s" in lines["peak"]
     assert "peak" not in dict(summary_lines(tmp_path))  # areal report: no measurement
+
+
+def test_a_run_logs_its_calls_flops_and_says_its_share_of_peak(ws, cli):
+    """Every call that computes in the training process logs `perf/<call>_gflop`; the summary says the
+    rate and the share of the matmul peak measured after the run."""
+    import json
+
+    run = ws.root / "run"
+    result = cli("train", ws.recipe(trainer={"max_steps": 2, "tensorboard": False}), "-o", run)
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    gflop = [v for r in rows for k, v in r.items() if k.startswith("perf/") and k.endswith("_gflop")]
+    assert gflop and all(v > 0 for v in gflop)
+    out = " ".join(result.output.split())
+    assert "compute whole steps" in out and "% of peak" in out and "peak matmul on these cores" in out

@@ -115,6 +115,21 @@ def test_grpo_step_raises_logprob_of_rewarded_samples(char_tok):
     assert model.version.global_step == 1 and stats["n_updates"] == 1
 
 
+def test_dynamic_sampling_trains_on_the_groups_that_differ_only(char_tok):
+    """DAPO's dynamic sampling: a group whose samples all score the same is dropped from the loss; with
+    every group dropped, no optimizer step runs."""
+    model = engine_model(char_tok, tiny_module(char_tok, seed=3), lr=5e-3, optimizer="sgd")
+    iface, data = _rollout(char_tok, model, [1, 0, 0, 0, 1, 1, 1, 1])  # group 1 all the same
+    iface = PPOActorInterface(iface.args.model_copy(update={"dynamic_sampling": True}))
+    stats = iface.train_step(model, data, MicroBatchSpec())
+    assert stats["dynamic_sampling_kept"] == 0.5 and stats["n_updates"] == 1
+    _, same = _rollout(char_tok, model, [1.0] * 8)
+    before = copy.deepcopy(model.module.module.state_dict())
+    stats = iface.train_step(model, same, MicroBatchSpec())
+    assert stats["dynamic_sampling_kept"] == 0.0 and stats["n_updates"] == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.module.module.state_dict().items())
+
+
 def test_critic_learns_returns(char_tok, actor):
     iface, data = _rollout(char_tok, actor, [1, 1, 1, 1, 0, 0, 0, 0])  # learnable from the prompt
     # treat every response as finished: a truncated one bootstraps from the critic's own final value

@@ -70,6 +70,10 @@ class PPOActorInterface(ModelInterface):
             1.0 if args.generation.greedy else args.generation.temperature
         )
         self.workflow = make_workflow(args.workflow) if args.workflow is not None else None
+        # the algorithm variants the args name (registered functions: interfaces/variants.py, plugins)
+        self.estimate_advantages = ADVANTAGES.get(args.adv_norm).load()
+        self.policy_loss = POLICY_LOSSES.get(args.policy_loss).load()
+        self.kl_estimate = KL_ESTIMATORS.get(args.kl_estimator).load()
 
     # ------------------------------------------------------------------ generate
 
@@ -178,8 +182,9 @@ class PPOActorInterface(ModelInterface):
         adv, mask, stats = self.compute_advantages(data, r)
         if "version" in data.meta:  # policy versions between the samples' generator and this model
             stats.update(version_lag_stats(model.version.global_step, data.meta["version"]))
-        train, kept = self.loss_batch(model, data, adv, mask, stats)
-        stats.update(self.ppo_update(model, train, kept, mb_spec, r.kl_coef))
+        train, kept_stats = self.loss_batch(model, data, adv, mask)
+        stats.update(kept_stats)
+        stats.update(self.ppo_update(model, train, mb_spec, r.kl_coef))
         model.inc_version()
         return stats
 
@@ -190,8 +195,7 @@ class PPOActorInterface(ModelInterface):
         raw = data.data["rewards"].float()  # (B,)
         no_eos = data.data["seq_no_eos_mask"].bool()  # (B,)
         mask = r.mask & ~no_eos[:, None] if a.mask_too_long else r.mask  # (B, T)
-        estimate = ADVANTAGES.get(a.adv_norm).load()
-        adv = estimate(r.scores, r.advantages, mask, group_ids(data), a)  # (B, T)
+        adv = self.estimate_advantages(r.scores, r.advantages, mask, group_ids(data), a)  # (B, T)
         stats = {
             "reward": float(raw.mean()),
             "reward_std": float(raw.std(unbiased=False)),
@@ -207,11 +211,12 @@ class PPOActorInterface(ModelInterface):
         return adv, mask, stats
 
     def loss_batch(
-        self, model: Model, data: SequenceSample, adv: torch.Tensor, mask: torch.Tensor, stats: dict
-    ) -> tuple[SequenceSample, list[int]]:
+        self, model: Model, data: SequenceSample, adv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[SequenceSample, dict[str, float]]:
         """What the policy loss reads, packed per token (advantages, old / reference / proximal log-probs,
-        the action mask), and the samples kept (DAPO's dynamic sampling drops uniform groups)."""
+        the action mask), of the samples it trains on (DAPO's dynamic sampling drops uniform groups)."""
         keep = torch.ones(data.bs, dtype=torch.bool)
+        stats: dict[str, float] = {}
         if self.args.dynamic_sampling:
             keep = F.dynamic_sampling_mask(data.data["rewards"].float(), group_ids(data))
             stats["dynamic_sampling_kept"] = float(keep.float().mean())
@@ -229,18 +234,17 @@ class PPOActorInterface(ModelInterface):
         for k in ("advantages", "old_logp", "action_mask", "ref_logp", "prox_logp", "prox_alpha"):
             if k in train.data:
                 train.seqlens[k] = list(train.seqlens["packed_input_ids"])
-        return train, [i for i in range(data.bs) if keep[i]]
+        return train.subset([i for i in range(data.bs) if keep[i]]), stats
 
     def ppo_update(
-        self, model: Model, train: SequenceSample, kept: list[int], mb_spec: MicroBatchSpec, kl_coef: float
+        self, model: Model, train: SequenceSample, mb_spec: MicroBatchSpec, kl_coef: float
     ) -> dict[str, float]:
-        """sample_reuse passes over the kept samples, each in n_minibatches shuffled minibatches, one
-        optimizer step each; the statistics are their means."""
+        """sample_reuse passes over `train`, each in n_minibatches shuffled minibatches, one optimizer
+        step each; the statistics are their means."""
         a = self.args
         train_stats: dict[str, float] = {}
         n_updates = 0
-        if kept or distributed.world() > 1:  # every rank steps the same number of times
-            train = train.subset(kept)
+        if train.bs or distributed.world() > 1:  # every rank steps the same number of times
             for epoch in range(a.sample_reuse):
                 seed = model.version.global_step * 1000 + epoch
                 for idx in shuffled_minibatches(train.bs, a.n_minibatches, seed):
@@ -315,12 +319,12 @@ class PPOActorInterface(ModelInterface):
         # the generator's log-probs vs the trainer's: the recomputed proximal ones, or else the current
         # ones (the weights before this update on the step's first minibatch)
         prox_stats.update(F.mismatch_stats(old, logp.detach() if recomputed is None else recomputed, mask))
-        loss, stats = POLICY_LOSSES.get(a.policy_loss).load()(logp, old, adv, mask, a, prox_logp=prox)
+        loss, stats = self.policy_loss(logp, old, adv, mask, a, prox_logp=prox)
         stats.update(prox_stats)
         if "ref_logp" in mb.data and kl_coef > 0 and not a.shaping.kl_in_reward:
             ref, _ = response_view(mb.data["ref_logp"].to(logits.device), mb)
             # aggregated like the policy loss (TRL, verl): with Dr.GRPO's sum / max_len the KL too
-            kl_tokens = KL_ESTIMATORS.get(a.kl_estimator).load()(logp, ref)  # (B, T)
+            kl_tokens = self.kl_estimate(logp, ref)  # (B, T)
             kl = F.aggregate_loss(kl_tokens, mask, a.aggregation, a.generation.max_new_tokens)
             loss = loss + kl_coef * kl
             stats["kl_loss"] = kl.detach()

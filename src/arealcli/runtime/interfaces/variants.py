@@ -39,6 +39,22 @@ def ppo(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped PPO: clip-higher (eps_clip_higher), dual clip (c_clip), decoupled PPO (prox_logp), a
     per-token or per-sequence ratio (importance_ratio)."""
+    return _clipped(logp, old_logp, advantages, mask, args, prox_logp, args.importance_ratio)
+
+
+def gspo(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    args: Any,
+    prox_logp: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO: PPO's clipped objective on one ratio per sequence, exp(mean_t log r_t)."""
+    return _clipped(logp, old_logp, advantages, mask, args, prox_logp, "sequence")
+
+
+def _clipped(logp, old_logp, advantages, mask, args, prox_logp, importance_ratio: str):
     return F.ppo_actor_loss(
         logp,
         old_logp,
@@ -52,21 +68,7 @@ def ppo(
         behav_imp_weight_mode=args.behav_imp_weight_mode,
         aggregation=args.aggregation,
         max_len=args.generation.max_new_tokens,
-        importance_ratio=args.importance_ratio,
-    )
-
-
-def gspo(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    args: Any,
-    prox_logp: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """GSPO: PPO's clipped objective on one ratio per sequence, exp(mean_t log r_t)."""
-    return ppo(
-        logp, old_logp, advantages, mask, args.model_copy(update={"importance_ratio": "sequence"}), prox_logp
+        importance_ratio=importance_ratio,
     )
 
 

@@ -8,7 +8,8 @@ then expanded so every response carries its prompt's other keys.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
@@ -16,12 +17,23 @@ from arealcli.runtime.models import flops
 from arealcli.runtime.models.model import Model
 from arealcli.schema.recipe import CallSpec
 
+_UNREAD: Any = object()
+
 
 @dataclass
 class Call:
     spec: CallSpec
     interface: ModelInterface
     model: Model  # a call with `model: null` gets a weightless one
+    _shape: Any = field(default=_UNREAD, repr=False)
+
+    def flop_shape(self) -> flops.FlopShape | None:
+        """The shape its model's FLOPs are counted from, read once (None: the model computes elsewhere,
+        a server, or its shape is unknown)."""
+        if self._shape is _UNREAD:
+            read = getattr(self.model.module, "flop_shape", None)
+            self._shape = read() if read is not None else None
+        return self._shape
 
 
 def expand_to(batch: SequenceSample, out: SequenceSample) -> SequenceSample:
@@ -84,20 +96,19 @@ def run_calls(calls: list[Call], batch: SequenceSample, step: int) -> tuple[Sequ
             batch.update_(result.select(spec.outputs))
             stats.update({f"{spec.name}/{k}": float(v) for k, v in getattr(result, "stats", {}).items()})
         stats[f"timing/{spec.name}_s"] = time.perf_counter() - t0
-        gflop = call_gflop(call, batch if spec.type != "train_step" else batch.select(spec.inputs))
+        gflop = call_gflop(call, batch)
         if gflop is not None:
             stats[f"perf/{spec.name}_gflop"] = gflop
     return batch, stats
 
 
-def call_gflop(call: Call, data: SequenceSample) -> float | None:
-    """Model GFLOPs this process computed in `call` (models/flops.py): training counts forward and
-    backward over its sequences (times the passes over the batch, PPO's sample_reuse), inference and
-    generation one forward pass over every sequence (a generated sample: prompt + response). None when the model computes elsewhere (a server) or its
-    shape is unknown."""
-    shape_fn = getattr(call.model.module, "flop_shape", None) if call.model is not None else None
-    shape = shape_fn() if shape_fn is not None else None
-    lens = data.seqlens.get("packed_input_ids")
+def call_gflop(call: Call, batch: SequenceSample) -> float | None:
+    """Model GFLOPs this process computed in `call`, from the batch after it (models/flops.py): training
+    counts forward and backward over its sequences (times the passes over the batch, PPO's
+    sample_reuse), inference and generation one forward pass over every sequence (a generated sample:
+    prompt + response). None when the model computes elsewhere (a server) or its shape is unknown."""
+    shape = call.flop_shape()
+    lens = batch.seqlens.get("packed_input_ids")
     if shape is None or not lens:
         return None
     if call.spec.type != "train_step":

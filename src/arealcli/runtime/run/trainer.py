@@ -169,8 +169,7 @@ class Trainer:
             for name in order
             if not r.models[name].base_of
         }
-        specs = {name: self._resolved_spec(name) for name in backends}
-        fresh = self.fresh_module
+        specs = {name: resolved_spec(r, self.recipe_dir, name) for name in backends}
 
         raw: dict[str, Any] = {}
         eager = self._eager_models(backends)
@@ -186,19 +185,14 @@ class Trainer:
                 self.models[name] = base_model_view(name, self.models[base_of])
                 continue
             model = Model(name, raw.get(name), self.tokenizer, seed=seeds[name])
-            model.source = ModelSource(specs[name], functools.partial(fresh, name))
+            # built anew on demand (seeded: the same module every time, in every process)
+            model.source = ModelSource(
+                specs[name], functools.partial(initial_module, r, self.recipe_dir, self.tokenizer, name)
+            )
             self.models[name] = self._initialize(backends[name], model, spec, resume_from)
         self.notes += stateless_engines(self.models, self.trained)
         if r.dataset.batch_size % distributed.dp_world():  # known once the backends are set up
             raise ValueError(batch_size_problem(r.dataset.batch_size, distributed.dp_world()))
-
-    def fresh_module(self, name: str) -> Any:
-        """Model `name`'s torch module as the recipe describes it, built anew (after `_setup_data`, which
-        loads the tokenizer)."""
-        return initial_module(self.recipe, self.recipe_dir, self.tokenizer, name)
-
-    def _resolved_spec(self, name: str) -> ModelSpec:
-        return resolved_spec(self.recipe, self.recipe_dir, name)
 
     def _eager_models(self, backends: dict[str, Any]) -> set[str]:
         """Models whose torch module the trainer builds: those whose backend does not build its own
@@ -286,9 +280,6 @@ class Trainer:
                 self.total_steps,
             )
             self.train_calls = [c for c in self.calls if not on_rollout_side(c.spec)]
-
-    def _resolve(self, path: str) -> str:
-        return resolve_path(path, self.recipe_dir)
 
     # ------------------------------------------------------------------ the loop
 

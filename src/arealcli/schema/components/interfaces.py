@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from arealcli.schema.base import Abstraction, StrictModel
 from arealcli.schema.components.engine import GenerationHyperparameters
@@ -55,6 +55,10 @@ class RewardShaping(StrictModel):
 
 class WorkflowSpec(Abstraction):
     """A registered episode workflow (see `areal list workflows`) and its args."""
+
+
+# the actor's keys that pick an algorithm variant by name, and the registries of their names
+VARIANTS = {"policy_loss": POLICY_LOSSES, "adv_norm": ADVANTAGES, "kl_estimator": KL_ESTIMATORS}
 
 
 class PPOActorArgs(StrictModel):
@@ -179,20 +183,11 @@ class PPOActorArgs(StrictModel):
 
     _known = field_validator("eval_reward_fn")(_registered_reward)
 
-    @field_validator("policy_loss")
+    @field_validator("policy_loss", "adv_norm", "kl_estimator")
     @classmethod
-    def _known_loss(cls, name: str) -> str:
-        return POLICY_LOSSES.validated(name).name
-
-    @field_validator("adv_norm")
-    @classmethod
-    def _known_estimator(cls, name: str) -> str:
-        return ADVANTAGES.validated(name).name
-
-    @field_validator("kl_estimator")
-    @classmethod
-    def _known_kl(cls, name: str) -> str:
-        return KL_ESTIMATORS.validated(name).name
+    def _registered_variant(cls, name: str, info: ValidationInfo) -> str:
+        """A registered name of the variant's registry (unknown: the names, with did-you-mean)."""
+        return VARIANTS[str(info.field_name)].validated(name).name
 
     @field_validator("workflow")
     @classmethod
