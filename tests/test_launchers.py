@@ -108,22 +108,25 @@ def test_the_trainer_connects_to_servers_a_launcher_started(monkeypatch):
     assert recipe.models["actor_gen"].backend.args.launch == "embedded"  # the recipe is unchanged
 
 
-def test_initial_weights_a_launcher_exports_are_the_trainers(tmp_path):
-    """A launcher exports the servers' step-0 weights with the same public functions the trainer builds
-    its models with (seeded): the exported folder equals the trainer's module."""
+def test_initial_weights_a_launcher_exports_are_the_trainers(ws, tmp_path):
+    """A launcher exports the servers' step-0 weights (seeded, built anew in the launcher's process): they
+    equal the weights a trainer built by its own setup holds before its first step."""
     import torch
     from safetensors.torch import load_file
 
     from arealcli.runtime.launchers.plan import export_initial_weights, initial_weights_dir
-    from arealcli.runtime.run.trainer import initial_module, recipe_tokenizer
+    from arealcli.runtime.run.trainer import Trainer
     from arealcli.schema.source import load_recipe_source
     from arealcli.schema.validate import validate
 
-    recipe = validate(load_recipe_source(SERVER_RECIPE))
-    export_initial_weights(recipe, SERVER_RECIPE, tmp_path, ["actor"])
-    exported = load_file(str(initial_weights_dir(tmp_path, "actor") / "model.safetensors"))
-    module = initial_module(
-        recipe, SERVER_RECIPE.parent, recipe_tokenizer(recipe, SERVER_RECIPE.parent), "actor"
-    )
-    state = module.state_dict()
+    path = ws.recipe(trainer={"max_steps": 1, "tensorboard": False})
+    recipe = validate(load_recipe_source(path))
+    export_initial_weights(recipe, path, tmp_path / "launch", ["default"])
+    exported = load_file(str(initial_weights_dir(tmp_path / "launch", "default") / "model.safetensors"))
+    trainer = Trainer(recipe, path.parent, tmp_path / "run")
+    trainer.setup()
+    try:
+        state = trainer.models["default"].module.module.state_dict()
+    finally:
+        trainer.close()
     assert exported and all(torch.equal(exported[k], state[k]) for k in exported)

@@ -4,7 +4,6 @@ and in memory (`WeightsInMemory`: a trained model's tensors handed to a follower
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +19,11 @@ SAFE_LOADER_TORCH = (2, 10)
 def load_plain(path: str | Path, map_location: Any = None) -> Any:
     """A `.pt` file of tensors and plain data (numbers, strings, lists, dicts) and nothing else: torch's
     `weights_only` loader, which refuses a file that would construct other objects (and so run code)."""
+    from torch.torch_version import TorchVersion
+
     from arealcli.errors import UserError
 
-    found = tuple(int(x) for x in re.findall(r"\d+", torch.__version__)[:2])
-    if found < SAFE_LOADER_TORCH:
+    if TorchVersion(torch.__version__) < SAFE_LOADER_TORCH:
         raise UserError(
             f"refusing to load {path} with torch {torch.__version__}: its weights_only loader is not safe "
             f"before {'.'.join(map(str, SAFE_LOADER_TORCH))}; install a newer torch"
