@@ -130,3 +130,15 @@ def test_initial_weights_a_launcher_exports_are_the_trainers(ws, tmp_path):
     finally:
         trainer.close()
     assert exported and all(torch.equal(exported[k], state[k]) for k in exported)
+
+
+def test_a_cluster_dry_run_refuses_the_run_directory_a_run_would_refuse(tmp_path):
+    """`--launcher slurm --dry-run` checks the run directory as the run itself would (a folder of the
+    user's own is never taken), and writes nothing."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    result = train(SERVER_RECIPE, "--launcher", "slurm", "--nnodes", "2", "--dry-run", "-o", mine)
+    assert result.exit_code == 2, result.output
+    assert "#!/bin/bash" not in result.output
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

@@ -6,7 +6,15 @@ exit code is a `RunEnded`, bad input a `UserError`."""
 
 from __future__ import annotations
 
-from arealcli.runtime.run.supervise import ClusterFlags, Invocation, RunEnded, Voice, check_world, prepare
+from arealcli.runtime.run.supervise import (
+    ClusterFlags,
+    Invocation,
+    RunEnded,
+    Voice,
+    check_dry,
+    check_world,
+    prepare,
+)
 
 
 def start(recipe, job: Invocation, flags: ClusterFlags, voice: Voice) -> None:
@@ -17,7 +25,8 @@ def start(recipe, job: Invocation, flags: ClusterFlags, voice: Voice) -> None:
     check_world(recipe, plan.world)
     command = trainer_command(job.recipe, job.overrides, job.run_dir, flags.resume, plan)
     slurm_job = _slurm_job(recipe, job, plan, command) if flags.launcher == "slurm" else None
-    if flags.dry_run:
+    if flags.dry_run:  # the run directory checked as a run would check it, then the job said
+        check_dry(recipe, job, flags.overwrite, voice)
         return _dry_run(slurm_job, plan, job, voice)
     prepare(recipe, job, flags.overwrite, voice)
     if plan.servers:  # the servers start from the weights the trainer would build

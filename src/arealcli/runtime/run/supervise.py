@@ -221,7 +221,7 @@ def supervised(
         try:
             return attempt(resume)
         except Failed as e:
-            if not _recover(recovery, e.failure, job, voice) or not retry:
+            if not retry or not _recover(recovery, e.failure, job, voice):  # only node 0 says it recovers
                 _say_failure(e.failure, job, voice)
                 raise RunEnded(1) from None
         resume = True
@@ -258,16 +258,22 @@ def prepare(recipe, job: Invocation, overwrite: bool, voice: Voice) -> None:
         voice.note(note)
 
 
-def dry_run(recipe, job: Invocation, overwrite: bool, voice: Voice) -> None:
-    """What `areal train` would do: the run-directory policy and the resume check with dry_run=True
-    (the same refusals, nothing written), then one line."""
+def check_dry(recipe, job: Invocation, overwrite: bool, voice: Voice) -> str:
+    """`prepare` with dry_run=True: the run-directory policy and the resume check refuse what a run
+    would refuse, and nothing is written. Returns what the run would do: create, replace or resume."""
     run_dir = job.run_dir
     exists = run_dir.is_dir() and any(run_dir.iterdir())
     prepare_run_dir(run_dir, job.resumed, overwrite, recipe.trainer.permissions, dry_run=True)
     if job.resumed:
         for note in check_resume(recipe, job.recipe.resolve().parent, run_dir, dry_run=True):
             voice.note(note)
-    action = "resume" if job.resumed else "replace" if exists else "create"
+    return "resume" if job.resumed else "replace" if exists else "create"
+
+
+def dry_run(recipe, job: Invocation, overwrite: bool, voice: Voice) -> None:
+    """What `areal train` would do here: `check_dry`, then one line."""
+    action = check_dry(recipe, job, overwrite, voice)
+    run_dir = job.run_dir
     voice.say(
         f"dry run: would {action} {run_dir} and train {recipe.experiment} "
         f"({len(recipe.models)} model(s), {len(recipe.dataflow.calls)} call(s)); nothing was written"
