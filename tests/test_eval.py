@@ -206,3 +206,20 @@ def test_in_training_evaluation_with_samples_leaves_training_untouched(tmp_path)
         "held-out with samples",
         ["eval/avg@1", "eval/avg@4", "eval/maj@1", "eval/maj@4", "eval/pass@1", "eval/pass@4"],
     ) in _panels([(tmp_path / "sampled", sampled)])
+
+
+def test_a_bad_later_target_is_refused_before_the_first_is_evaluated(run, tmp_path, monkeypatch):
+    """Every target is checked before any model loads: a URL without a tokenizer, given after a run,
+    exits 2 at once (no evaluation of the run first, no results written)."""
+    from arealcli.runtime.eval import run as eval_run
+
+    evaluated = []
+    real = eval_run.evaluate
+    monkeypatch.setattr(eval_run, "evaluate", lambda *a, **k: evaluated.append(1) or real(*a, **k))
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "max(1,2,3)=", "answer": "3"}\n')
+    out = tmp_path / "results.json"
+    result = invoke("eval", run, "http://127.0.0.1:9", "--data", data, "-o", out)
+    assert result.exit_code == 2, result.output
+    assert "http://127.0.0.1:9: prompts go as token ids: give --tokenizer" in " ".join(result.output.split())
+    assert not evaluated and not out.exists()

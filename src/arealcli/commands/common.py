@@ -10,9 +10,8 @@ from rich.console import Console
 from rich.text import Text
 
 from arealcli.schema.recipe import Recipe
-from arealcli.schema.registry import RegistryError
-from arealcli.schema.source import Located, RecipeSourceError, apply_overrides, load_recipe_source
-from arealcli.schema.validate import RecipeInvalid, validate
+from arealcli.schema.source import Located
+from arealcli.schema.validate import RecipeUnusable, load_valid_recipe
 
 # User text (recipe values, file names) is printed literally: no markup, no emoji codes (`:100:`).
 console = Console(emoji=False, highlight=False)
@@ -58,16 +57,12 @@ def fail(lines: list[str], title: str = "error") -> typer.Exit:
 def load_recipe(file: Path, overrides: list[str]) -> tuple[Recipe, Located]:
     """The validated recipe, or exit 2 after printing every problem as file:line:col: path: message."""
     try:
-        src = apply_overrides(load_recipe_source(file), overrides)
-        return validate(src), src
-    except RecipeSourceError as e:
-        raise fail(e.messages) from None
-    except RecipeInvalid as e:
-        lines = e.lines()
-        err_console.print(Text(f"{len(lines)} problem(s) in {file}:", style="bold red"))
-        raise fail(lines, title="") from None
-    except RegistryError as e:
-        raise fail([str(e)]) from None
+        return load_valid_recipe(file, overrides)
+    except RecipeUnusable as e:
+        if e.heading:
+            err_console.print(Text(e.heading, style="bold red"))
+            raise fail(e.lines, title="") from None
+        raise fail(e.lines) from None
 
 
 def recipe_argument() -> Any:  # a typer.Argument, typed as the value it gives

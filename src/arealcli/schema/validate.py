@@ -34,7 +34,43 @@ from arealcli.schema.problems import Problem, RecipeInvalid, problems_from_valid
 from arealcli.schema.recipe import Recipe
 from arealcli.schema.source import Located, Path_
 
-__all__ = ["Problem", "RecipeInvalid", "plugin_paths", "problems_from_validation_error", "validate"]
+__all__ = [
+    "Problem",
+    "RecipeInvalid",
+    "RecipeUnusable",
+    "load_valid_recipe",
+    "plugin_paths",
+    "problems_from_validation_error",
+    "validate",
+]
+
+
+class RecipeUnusable(Exception):
+    """A recipe that cannot be read or is not valid: every problem as a line (`file:line:col: path:
+    message`), and a heading when they are a list of problems."""
+
+    def __init__(self, lines: list[str], heading: str | None = None):
+        super().__init__("\n".join(([heading] if heading else []) + lines))
+        self.lines, self.heading = lines, heading
+
+
+def load_valid_recipe(file: Path, overrides: list[str] | None = None) -> tuple[Recipe, Located]:
+    """Read `file`, apply `key.path=value` overrides and validate: the recipe and its located source,
+    or RecipeUnusable (unreadable, invalid, or a plugin that fails to import)."""
+    from arealcli.schema.registry import RegistryError
+    from arealcli.schema.source import RecipeSourceError, apply_overrides, load_recipe_source
+
+    try:
+        src = apply_overrides(load_recipe_source(file), overrides or [])
+        return validate(src), src
+    except RecipeSourceError as e:
+        raise RecipeUnusable(e.messages) from None
+    except RecipeInvalid as e:
+        lines = e.lines()
+        raise RecipeUnusable(lines, f"{len(lines)} problem(s) in {file}:") from None
+    except RegistryError as e:
+        raise RecipeUnusable([str(e)]) from None
+
 
 # Cross-references, checked on whichever parts of the recipe are themselves valid, in this order.
 GRAPH_CHECKS = (

@@ -114,14 +114,31 @@ def ks_of(k: str | None, n: int) -> list[int]:
 
 
 def plan(flags: EvalFlags) -> EvalJob:
-    """Every target found and its recipe loaded, the shared settings, the plan; or UserError."""
+    """Every target found and its recipe loaded (a run's checkpoints share one), the shared settings, the
+    plan; or UserError, before any model is loaded (a bad last target costs no evaluation first)."""
     ks = ks_of(flags.k, flags.n)
-    targets = [target_of(t, flags) for t in flags.targets]
+    recipes: dict[Path, Any] = {}
+    targets = [target_of(t, flags, recipes) for t in flags.targets]
     chosen = settings(targets[0], flags)
     job = EvalJob(flags, ks, targets, chosen, eval_plan(chosen, flags))
     if job.plan.greedy is None and job.plan.sampled is None:
         raise UserError("nothing to evaluate: --no-greedy and --n 0")
+    for s in targets:
+        _check_target(s, job)
     return job
+
+
+def _check_target(s: Target, job: EvalJob) -> None:
+    """What can be said of a target before its model loads: a server cannot run the recipe's episodes
+    (their tools run here), and prompts go to it as token ids of a tokenizer we must have."""
+    workflow = job.settings["workflow"]
+    if s.found is None and workflow is not None:
+        raise UserError(
+            f"{s.target}: the recipe's actor generates episodes ({workflow['type_']}), which "
+            "run their tools in this process: evaluate a checkpoint, or pass --no-workflow"
+        )
+    if _tokenizer_source(s) == (None, None):
+        raise UserError(f"{s.target}: prompts go as token ids: give --tokenizer PATH or --recipe RECIPE")
 
 
 def eval_plan(chosen: dict[str, Any], flags: EvalFlags):
@@ -150,7 +167,7 @@ def eval_plan(chosen: dict[str, Any], flags: EvalFlags):
     return EvalPlan(chosen["reward"], greedy, sampled, flags.seed)
 
 
-def target_of(target: str, flags: EvalFlags) -> Target:
+def target_of(target: str, flags: EvalFlags, recipes: dict[Path, Any]) -> Target:
     """Where the target's model is, and the recipe that goes with it (a run's own, or --recipe)."""
     from arealcli.runtime.run.targets import find_model, is_url
 
@@ -163,7 +180,10 @@ def target_of(target: str, flags: EvalFlags) -> Target:
     own = found.run_dir / "recipe.yaml" if found is not None and found.run_dir else None
     source = flags.recipe or own
     if source is not None:
-        recipe = _load_recipe(source)
+        key = Path(source).resolve()
+        if key not in recipes:
+            recipes[key] = _load_recipe(source)
+        recipe = recipes[key]
     if recipe is None and flags.data is None:
         raise UserError(
             f"{target}: no recipe to take an eval_dataset from; give --data (and --recipe for URLs)"
@@ -173,18 +193,14 @@ def target_of(target: str, flags: EvalFlags) -> Target:
 
 
 def _load_recipe(path: Path):
-    from arealcli.schema.problems import RecipeInvalid
-    from arealcli.schema.source import RecipeSourceError, load_recipe_source
-    from arealcli.schema.validate import validate
+    from arealcli.schema.validate import RecipeUnusable, load_valid_recipe
 
     if not Path(path).is_file():
         raise UserError(f"{path}: no such recipe")
     try:
-        return validate(load_recipe_source(Path(path)))
-    except RecipeSourceError as e:
-        raise UserError(*e.messages) from None
-    except RecipeInvalid as e:
-        raise UserError(f"{path} is not a valid recipe:", *e.lines()) from None
+        return load_valid_recipe(Path(path))[0]
+    except RecipeUnusable as e:
+        raise UserError(e.heading or f"{path} is not a valid recipe:", *e.lines) from None
 
 
 def _actor_args(recipe) -> Any:
@@ -268,13 +284,16 @@ def settings(s: Target, flags: EvalFlags) -> dict[str, Any]:
     }
 
 
+def _tokenizer_source(s: Target) -> tuple[Any, str | None]:
+    """(the recipe's tokenizer spec, the folder to fall back to): --tokenizer, else the model's own."""
+    tok_spec = s.recipe.tokenizer if s.recipe is not None else None
+    return tok_spec, s.tokenizer or (str(s.found.model_dir) if s.found is not None else None)
+
+
 def _tokenizer(s: Target):
     from arealcli.runtime.data.tokenizer import load_tokenizer
 
-    tok_spec = s.recipe.tokenizer if s.recipe is not None else None
-    fallback = s.tokenizer or (str(s.found.model_dir) if s.found is not None else None)
-    if tok_spec is None and fallback is None:
-        raise UserError(f"{s.target}: prompts go as token ids: give --tokenizer PATH or --recipe RECIPE")
+    tok_spec, fallback = _tokenizer_source(s)
     try:
         return load_tokenizer(tok_spec, fallback)
     except ValueError as e:
@@ -285,16 +304,9 @@ def _model(s: Target, job: EvalJob, tok):
     """The model to evaluate: a local model folder, or an OpenAI-compatible server."""
     from arealcli.runtime.serve.eval_targets import LocalTarget, RemoteTarget
 
-    workflow = job.settings["workflow"]
     if s.found is not None:
-        return LocalTarget(
-            str(s.found.model_dir), tok, "cuda" if job.flags.device == "cuda" else "cpu", workflow=workflow
-        )
-    if workflow is not None:
-        raise UserError(
-            f"{s.target}: the recipe's actor generates episodes ({workflow['type_']}), which "
-            "run their tools in this process: evaluate a checkpoint, or pass --no-workflow"
-        )
+        device = "cuda" if job.flags.device == "cuda" else "cpu"
+        return LocalTarget(str(s.found.model_dir), tok, device, workflow=job.settings["workflow"])
     return RemoteTarget(s.target, tok, send_key=job.flags.send_key)
 
 

@@ -181,11 +181,10 @@ def _train(job: WorkerJob, rank: int) -> int:
     from rich.text import Text
 
     from arealcli.runtime.run.driver import Display, run
-    from arealcli.schema.source import apply_overrides, load_recipe_source
-    from arealcli.schema.validate import validate
+    from arealcli.schema.validate import load_valid_recipe
 
     recipe_path = Path(job.recipe_path)
-    recipe = validate(apply_overrides(load_recipe_source(recipe_path), job.overrides))
+    recipe, _ = load_valid_recipe(recipe_path, job.overrides)  # checked by the launching command already
     display = None
     if rank == 0:  # rank 0 reports
         console = Console(emoji=False, highlight=False)
