@@ -109,3 +109,16 @@ def test_commands_only_parse_call_and_print():
         and node.end_lineno - node.lineno + 1 >= 60
     ]
     assert not long_functions, long_functions
+
+
+def test_every_folder_says_its_layer_as_the_table_has_it():
+    """Each runtime folder's docstring names its layer (`Layer N of runtime/__init__.py's table`), and
+    the number is the one the layer check above enforces."""
+    import re
+
+    for folder in sorted(p for p in RUNTIME.iterdir() if (p / "__init__.py").exists()):
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+        said = re.findall(r"\bLayer (\d+)\b", doc)
+        assert said == [str(LAYERS[folder.name])], (
+            f"{folder.name}: says layer {said}, the table {LAYERS[folder.name]}"
+        )

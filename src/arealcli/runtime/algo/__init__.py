@@ -1,5 +1,5 @@
 """The RL math as plain functions over tensors (`functional`): rewards, KL, GAE, normalization, losses;
 per-token log-probs and entropy from hidden states, chunk by chunk of tokens (`logprobs`).
 
-Layer 0: imports nothing of `runtime`.
+Layer 1 of runtime/__init__.py's table: it imports only folders of lower layers.
 """

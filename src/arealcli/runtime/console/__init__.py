@@ -1,5 +1,5 @@
 """What a person sees: the header, progress line and summary (`progress`), report.png and summaries of
 finished runs (`report`).
 
-Layer 0: imports nothing of `runtime` at module level.
+Layer 1 of runtime/__init__.py's table: it imports only folders of lower layers.
 """

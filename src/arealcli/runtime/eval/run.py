@@ -1,7 +1,7 @@
 """Held-out evaluation: a target's greedy decoding and n samples per prompt, scored by a reward function
 (`areal eval`, and held-out evaluation with samples during training). A target has `generate(batch,
 gconfig) -> [Generated]`: `EngineTarget` here (a model of this process), and `areal eval`'s model
-folders and OpenAI-compatible endpoints (runtime/serve/eval_targets.py).
+folders and OpenAI-compatible endpoints (runtime/evaluate/targets.py).
 
 The local path is the one held-out evaluation takes during training: the prompts in the recipe's
 `eval_dataset` batches, each batch one `generate` call of the `hf` engine, scored by the same reward;

@@ -3,6 +3,8 @@
     session    the targets (run directory, checkpoint, model folder, URL) and the recipe that goes with
                each; the dataset, reward and generation settings (flags, else the recipe's); one run of
                the evaluation loop (runtime/eval) per target; results.json and the samples beside it
+    targets    what is evaluated besides a model of the training process: a model folder generating
+               in this process, an OpenAI-compatible server
 
-Layer 7 (beside launchers): it finds checkpoints through `run` and evaluates through `serve`'s targets.
+Layer 7 of runtime/__init__.py's table: it imports only folders of lower layers.
 """

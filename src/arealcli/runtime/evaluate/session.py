@@ -302,7 +302,7 @@ def _tokenizer(s: Target):
 
 def _model(s: Target, job: EvalJob, tok):
     """The model to evaluate: a local model folder, or an OpenAI-compatible server."""
-    from arealcli.runtime.serve.eval_targets import LocalTarget, RemoteTarget
+    from arealcli.runtime.evaluate.targets import LocalTarget, RemoteTarget
 
     if s.found is not None:
         device = "cuda" if job.flags.device == "cuda" else "cpu"

@@ -3,5 +3,5 @@ decoder (`decoder`), a model in memory for serving (`model_runner`) and the batc
 runs concurrent requests together (`scheduler`; `running_batch`: the rows of a continuous batch) — what
 `areal serve` and the `local` backend share.
 
-Layer 1: imports `models`, `wire` (and `data` lazily, for tokenizers).
+Layer 2 of runtime/__init__.py's table: it imports only folders of lower layers.
 """

@@ -1,5 +1,5 @@
 """Model interfaces: the algorithms (sft, ppo_actor, ppo_critic, reward, returns) over engines;
 next-token log-probs and entropy of packed sequences (token_logprobs).
 
-Layer 4: imports `algo`, `data`, `models`, `distributed`, `registry`, `engines`.
+Layer 5 of runtime/__init__.py's table: it imports only folders of lower layers.
 """

@@ -3,4 +3,6 @@
 to answer (`health`), and the cluster run itself (`start`: dry run, the run directory prepared as a
 local run's, submit, follow). Each starts the generation servers of `cluster.allocation` on their nodes
 and `areal train --nnodes K --node-rank r` on each trainer node (torch's elastic agent and its
-rendezvous, as on one machine)."""
+rendezvous, as on one machine).
+
+Layer 7 of runtime/__init__.py's table: it imports only folders of lower layers."""

@@ -4,5 +4,5 @@ command that continues a stopped run), the trainer and its step loop (`trainer`,
 `rollout`), weights moving to followers (`weight_sync`), checkpoints, metrics, the multi-process
 launcher and the thread policy.
 
-Layer 5: imports any lower layer.
+Layer 6 of runtime/__init__.py's table: it imports only folders of lower layers.
 """

@@ -10,6 +10,8 @@ Built in:
                  Off unless a workflow enables it (`allow_python: true`); `areal check` refuses it otherwise.
 
 Register your own with `register_tool(name, fn)` (from a module listed in the recipe's `imports:`).
+
+Layer 0 of runtime/__init__.py's table: it imports only folders of lower layers.
 """
 
 from __future__ import annotations
