@@ -29,7 +29,7 @@ from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-BLOCK = re.compile(r"(?:<!-- example: (\w+) ?(.*?) -->\n)?```console\n(.*?)```", re.S)
+BLOCK = re.compile(r"(?:<!-- example: (\w+) ?([^\n]*?) -->\n)?```console\n(.*?)```", re.S)
 
 
 @dataclass

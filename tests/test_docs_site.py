@@ -15,11 +15,11 @@ import functools
 import http.server
 import importlib.util
 import os
-import re
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -117,12 +117,14 @@ def test_cli_reference_lists_every_command_and_option():
 
     text = hook().cli_reference_markdown()
     group = typer.main.get_command(app)
+    sections = {part.split("`", 1)[0]: part for part in text.split("\n## `areal ")[1:]}
     for name, command in group.commands.items():
-        assert f"## `areal {name}`" in text, name
+        assert name in sections, name
+        own = sections[name]  # this command's section only: another command's option must not count
         for param in command.params:
             for opt in param.opts:
                 if opt.startswith("-"):
-                    assert f"<code>{opt}" in text or f" {opt}" in text, (name, opt)
+                    assert f"<code>{opt}" in own or f" {opt}" in own, (name, opt)
 
 
 def build_site(dest: Path) -> subprocess.CompletedProcess:
@@ -203,18 +205,23 @@ class Browser:
                 "about:blank",
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            stderr=subprocess.DEVNULL,  # a pipe nobody drains would block a chatty browser
         )
-        self.endpoint = self._endpoint()
+        self.endpoint = self._endpoint(profile / "DevToolsActivePort")
         self.ids = 0
 
-    def _endpoint(self) -> str:
-        for line in self.proc.stderr:  # "DevTools listening on ws://127.0.0.1:PORT/devtools/browser/ID"
-            m = re.search(r"DevTools listening on ws://([\d.]+:\d+)/", line)
-            if m:
-                return m.group(1)
-        raise AssertionError(f"chromium exited ({self.proc.wait()}) before its DevTools endpoint opened")
+    def _endpoint(self, active_port: Path, timeout_s: float = 60.0) -> str:
+        """127.0.0.1:PORT, from the file Chromium writes once its DevTools endpoint listens."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"chromium exited ({self.proc.returncode}) before DevTools opened")
+            lines = active_port.read_text().split() if active_port.exists() else []
+            if lines:
+                return f"127.0.0.1:{lines[0]}"
+            time.sleep(0.1)
+        self.proc.kill()
+        raise AssertionError(f"chromium's DevTools endpoint did not open within {timeout_s:g} s")
 
     async def session(self):
         import aiohttp
@@ -268,16 +275,16 @@ def test_site_in_a_browser_renders_and_search_finds_a_recipe_key(site, tmp_path)
     exe = chromium()
     need(exe is not None, "chromium is not installed (apt-get install chromium)")
     server = Serve(site)
-    browser = Browser(exe, tmp_path / "profile")
+    browser: Browser | None = None
 
-    async def visit() -> list[str]:
+    async def visit(browser: Browser) -> list[str]:
         await browser.session()
         try:
-            return await pages()
+            return await pages(browser)
         finally:
             await browser.close()
 
-    async def pages() -> list[str]:
+    async def pages(browser: Browser) -> list[str]:
         await browser.open(server.url)
         assert "arealcli" in await browser.evaluate("document.title")
         await browser.wait_for("[...document.images].every(i => i.complete && i.naturalWidth > 0)")
@@ -295,9 +302,10 @@ def test_site_in_a_browser_renders_and_search_finds_a_recipe_key(site, tmp_path)
         return found
 
     try:
-        found = asyncio.run(visit())
+        browser = Browser(exe, tmp_path / "profile")
+        found = asyncio.run(visit(browser))
     finally:
-        if browser.proc.poll() is None:
+        if browser is not None and browser.proc.poll() is None:
             browser.proc.kill()
         server.close()
     assert any("max_steps" in f for f in found), found

@@ -78,6 +78,8 @@ def component_entries() -> dict[str, list[dict]]:
 
 def recipe_reference_markdown() -> str:
     """The recipe reference: every section and key, then every component's `args`."""
+    from arealcli.schema.describe import entry_extras
+
     out = [
         "A recipe's top-level keys, then each section's keys as an override writes them "
         "(`areal train RECIPE trainer.max_steps=100`), then each registered component's `args` "
@@ -96,9 +98,7 @@ def recipe_reference_markdown() -> str:
         out += [f"### {title} {{#{kind}}}", ""]
         for e in entries:
             extra = [
-                f"{label}: {', '.join(f'`{v}`' for v in e[key])}"
-                for label, key in (("calls", "call_types"), ("can", "capabilities"), ("keys", "keys"))
-                if key in e
+                f"{label}: {', '.join(f'`{v}`' for v in values)}" for label, values in entry_extras(kind, e)
             ]
             out += [f"#### `{e['name']}` {{#{kind}-{e['name']}}}", ""]
             about = _cell(e["description"])
@@ -123,8 +123,11 @@ def _command_doc(name: str, command, parent_ctx) -> list[str]:
         out += ["| argument / option | meaning |", "|---|---|"]
         out += [f"| {_code(sig)} | {_cell(meaning)} |" for sig, meaning in params]
         out += [""]
-    if examples.strip():
-        out += ["Examples:", "", "```text", examples.strip(), "```", ""]
+    examples, _, notes = examples.strip().partition("\n\n")  # the examples end at the first blank line
+    if examples:
+        out += ["Examples:", "", "```text", examples, "```", ""]
+    if notes.strip():
+        out += [_prose(notes.strip()), ""]
     return out
 
 

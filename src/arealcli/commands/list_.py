@@ -21,6 +21,7 @@ from arealcli.schema.describe import (
     KINDS,
     PICKED_BY,
     SECTIONS,
+    entry_extras,
     entry_payload,
     readable,
     section_rows,
@@ -83,13 +84,8 @@ def list_(
 def _about(kind: str, e: dict) -> str:
     if kind == "sections":
         return f"{e['name']} (recipe section): its keys as an override writes them"
-    extra = "".join(
-        f"; {label}: {', '.join(e[key])}"
-        for label, key in (("calls", "call_types"), ("can", "capabilities"), ("keys", "keys"))
-        if key in e
-    )
-    picked = f"; picked with {PICKED_BY[kind]}: {e['name']}" if kind in PICKED_BY else ""
-    return f"{e['name']} ({singular(kind)}, {e['origin']}): {e['description'].rstrip('.')}{extra}{picked}"
+    extra = "".join(f"; {label}: {', '.join(values)}" for label, values in entry_extras(kind, e))
+    return f"{e['name']} ({singular(kind)}, {e['origin']}): {e['description'].rstrip('.')}{extra}"
 
 
 def _plain(kind: str, e: dict) -> None:

@@ -145,6 +145,19 @@ def entry_payload(kind: str, e: Entry, expand: bool = False) -> dict[str, Any]:
     }
 
 
+def entry_extras(kind: str, e: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """What a listed component is besides its arguments, as (label, values): the calls an interface
+    implements, what a backend's engine can do, the keys a dataset gives, the key that picks a variant."""
+    out = [
+        (label, list(e[key]))
+        for label, key in (("calls", "call_types"), ("can", "capabilities"), ("keys", "keys"))
+        if key in e
+    ]
+    if kind in PICKED_BY:
+        out.append(("picked by", [PICKED_BY[kind]]))  # the ppo_actor key that names it
+    return out
+
+
 def section_rows(name: str) -> list[dict[str, str]]:
     """The keys of a recipe section, as an override writes them (`trainer.max_steps`)."""
     from arealcli.schema.json_schema import PresetDataflow
