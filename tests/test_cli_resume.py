@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from arealcli.commands.train import Invocation
+from arealcli.runtime.run.supervise import Invocation
 
 
 def test_the_continue_command_is_the_shortest_that_is_right(tmp_path):

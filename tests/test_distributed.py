@@ -230,7 +230,7 @@ def test_bad_data_in_workers_is_one_message_and_exit_2(ws):
 
 
 def test_data_parallel_size_reads_typed_backend_args(ws):
-    from arealcli.commands.train import data_parallel_size
+    from arealcli.runtime.run.session import data_parallel_size
     from arealcli.schema.source import apply_overrides, load_recipe_source
     from arealcli.schema.validate import validate
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from arealcli.commands.common import console, err_console, fail, say_error
+from arealcli.commands.common import console, err_console, fail, flag, say_error
 from arealcli.commands.serve import Device, Dtype
 from arealcli.errors import UserError
 
@@ -45,10 +45,7 @@ MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", min=1, metavar="N
 System = Annotated[
     str | None, typer.Option("--system", metavar="TEXT", help="A system message opening the chat.")
 ]
-Completion = Annotated[
-    bool,
-    typer.Option("--completion", metavar="", help="Plain completion even if the model has a chat template."),
-]
+Completion = Annotated[bool, flag("--completion", "Plain completion even if the model has a chat template.")]
 DeviceOpt = Annotated[Device, typer.Option(help="Local models: auto = cuda when available, else cpu.")]
 DtypeOpt = Annotated[Dtype, typer.Option(help="Local models: weights and compute dtype.")]
 Seed = Annotated[
@@ -57,11 +54,10 @@ Seed = Annotated[
 ]
 SendKey = Annotated[
     bool,
-    typer.Option(
+    flag(
         "--send-key",
-        metavar="",
-        help="URL: send AREAL_API_KEY to it although it is not on this machine (loopback URLs get it "
-        "without this flag).",
+        "URL: send AREAL_API_KEY to it although it is not on this machine (loopback URLs get it without "
+        "this flag).",
     ),
 ]
 

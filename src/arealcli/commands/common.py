@@ -65,6 +65,11 @@ def load_recipe(file: Path, overrides: list[str]) -> tuple[Recipe, Located]:
         raise fail(e.lines) from None
 
 
+def flag(name: str, help: str) -> Any:  # a typer.Option, typed as the value it gives
+    """An option that takes no value (`--resume`): shown in --help without one."""
+    return typer.Option(name, help=help, metavar="")
+
+
 def recipe_argument() -> Any:  # a typer.Argument, typed as the value it gives
     return typer.Argument(..., metavar="RECIPE", help="Recipe YAML file.", show_default=False)
 

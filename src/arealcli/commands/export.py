@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from arealcli.commands.common import console, fail
+from arealcli.commands.common import console, fail, flag
 from arealcli.errors import UserError
 
 TRUE = ("1", "ON", "YES", "TRUE")
@@ -35,14 +35,9 @@ Model = Annotated[
     typer.Option("--model", metavar="NAME", help="Which model (default: the one the recipe generates with)."),
 ]
 Adapter = Annotated[
-    bool,
-    typer.Option(
-        "--adapter", metavar="", help="LoRA runs: the adapters alone (peft) instead of merged weights."
-    ),
+    bool, flag("--adapter", "LoRA runs: the adapters alone (peft) instead of merged weights.")
 ]
-Force = Annotated[
-    bool, typer.Option("--force", metavar="", help="Replace DIR if an earlier areal export wrote it.")
-]
+Force = Annotated[bool, flag("--force", "Replace DIR if an earlier areal export wrote it.")]
 PushToHub = Annotated[
     str | None,
     typer.Option(

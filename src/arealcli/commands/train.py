@@ -10,6 +10,7 @@ import typer
 
 from arealcli.commands.common import (
     fail,
+    flag,
     load_recipe,
     overrides_argument,
     recipe_argument,
@@ -18,21 +19,13 @@ from arealcli.commands.common import (
 from arealcli.errors import UserError
 from arealcli.runtime.run import supervise
 from arealcli.runtime.run.launch import LaunchSpec
-from arealcli.runtime.run.session import apply_permissions, data_parallel_size, restores_umask, run_dir_for
-from arealcli.runtime.run.supervise import ClusterFlags, Invocation, stop_message
+from arealcli.runtime.run.session import apply_permissions, restores_umask, run_dir_for
+from arealcli.runtime.run.supervise import ClusterFlags, Invocation
 from arealcli.schema.paths import path_problems
 
-__all__ = ["ClusterFlags", "Invocation", "data_parallel_size", "stop_message", "train"]
-
-
-def _flag(name: str, help: str) -> typer.models.OptionInfo:
-    """A flag that takes no value."""
-    return typer.Option(name, help=help, metavar="")
-
-
-Resume = Annotated[bool, _flag("--resume", "Continue from the run directory's last checkpoint.")]
+Resume = Annotated[bool, flag("--resume", "Continue from the run directory's last checkpoint.")]
 Overwrite = Annotated[
-    bool, _flag("--overwrite", "Delete the existing run directory (one areal train made) first.")
+    bool, flag("--overwrite", "Delete the existing run directory (one areal train made) first.")
 ]
 OutputDir = Annotated[
     Path | None,
@@ -40,7 +33,7 @@ OutputDir = Annotated[
 ]
 DryRun = Annotated[
     bool,
-    _flag("--dry-run", "Check the recipe, overrides and run directory, say what would run, and stop."),
+    flag("--dry-run", "Check the recipe, overrides and run directory, say what would run, and stop."),
 ]
 NprocPerNode = Annotated[
     int,
@@ -84,7 +77,7 @@ Address = Annotated[
 ]
 Wait = Annotated[
     bool,
-    _flag("--wait", "--launcher slurm: follow the job's trainer log until it ends, and exit with its code."),
+    flag("--wait", "--launcher slurm: follow the job's trainer log until it ends, and exit with its code."),
 ]
 
 
@@ -124,12 +117,13 @@ def train(
     spec = LaunchSpec(nproc_per_node, nnodes or 1, node_rank, master_addr, master_port)
     if launcher == "local" and node_rank >= spec.nnodes:
         raise fail([f"--node-rank {node_rank} must be below --nnodes {spec.nnodes}"])
-    cluster = ClusterFlags(launcher, nnodes, nproc_per_node, address, wait, dry_run, resume, overwrite)
+    cluster = ClusterFlags(launcher, nnodes, nproc_per_node, address, wait)
     flags = supervise.local_flags(spec) if launcher == "local" else cluster.argv()
-    job = Invocation(recipe, overrides or [], run_dir, run_dir_for(resolved, None), flags, resume)
+    default_dir = run_dir_for(resolved, None)
+    job = Invocation(recipe, overrides or [], run_dir, default_dir, flags, resume, overwrite, dry_run)
     try:
         if launcher == "local":
-            supervise.start(resolved, job, spec, overwrite, dry_run, voice())
+            supervise.start(resolved, job, spec, voice())
         else:
             from arealcli.runtime.launchers.start import start
 

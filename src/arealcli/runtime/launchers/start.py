@@ -23,12 +23,12 @@ def start(recipe, job: Invocation, flags: ClusterFlags, voice: Voice) -> None:
 
     plan = make_plan(recipe, job.run_dir, flags.nnodes, flags.nproc_per_node)
     check_world(recipe, plan.world)
-    command = trainer_command(job.recipe, job.overrides, job.run_dir, flags.resume, plan)
+    command = trainer_command(job.recipe, job.overrides, job.run_dir, job.resumed, plan)
     slurm_job = _slurm_job(recipe, job, plan, command) if flags.launcher == "slurm" else None
-    if flags.dry_run:  # the run directory checked as a run would check it, then the job said
-        check_dry(recipe, job, flags.overwrite, voice)
+    if job.dry_run:  # the run directory checked as a run would check it, then the job said
+        check_dry(recipe, job, voice)
         return _dry_run(slurm_job, plan, job, voice)
-    prepare(recipe, job, flags.overwrite, voice)
+    prepare(recipe, job, voice)
     if plan.servers:  # the servers start from the weights the trainer would build
         export_initial_weights(recipe, job.recipe, job.run_dir, sorted({s.model for s in plan.servers}))
     if slurm_job is not None:

@@ -6,7 +6,7 @@ One loop, `supervised`, serves one process (`run_here`) and a worker group (`run
 itself, and the launcher prepares the run directory with `prepare` like a local run. Nothing here parses
 flags or exits: messages go through a `Voice`, an exit code is a `RunEnded`, bad input a `UserError`.
 
-    start(recipe, job, spec, overwrite, dry_run, voice)
+    start(recipe, job, spec, voice)
       dry run: the run-directory policy with dry_run=True, and what would run
       node 0: prepare (run directory, resume check, commands.log)
       one process: run_here | workers: run_workers   -- each: supervised(attempt, recovery, job, voice)
@@ -50,7 +50,9 @@ class Invocation:
     run_dir: Path
     default_run_dir: Path
     launch_flags: list[str] = field(default_factory=list)
-    resumed: bool = False  # this invocation resumed the run
+    resumed: bool = False  # this invocation resumed the run (--resume)
+    overwrite: bool = False  # --overwrite: an earlier run in run_dir may be replaced
+    dry_run: bool = False  # --dry-run: check and say, write nothing
 
     def _out(self) -> list[str]:
         return ["-o", str(self.run_dir)] if self.run_dir != self.default_run_dir else []
@@ -100,9 +102,6 @@ class ClusterFlags:
     nproc_per_node: int
     address: str | None
     wait: bool
-    dry_run: bool
-    resume: bool
-    overwrite: bool
 
     def argv(self) -> list[str]:
         """The flags that start this job again (in the command a stopped run prints)."""
@@ -246,10 +245,10 @@ def check_world(recipe, world: int) -> None:
         raise UserError(batch_size_problem(recipe.dataset.batch_size, dp))
 
 
-def prepare(recipe, job: Invocation, overwrite: bool, voice: Voice) -> None:
+def prepare(recipe, job: Invocation, voice: Voice) -> None:
     """Before training, once per run (node 0): the run directory made ready by its policy, a resume
     checked against the run's own recipe, this command recorded in commands.log."""
-    replaced = prepare_run_dir(job.run_dir, job.resumed, overwrite, recipe.trainer.permissions)
+    replaced = prepare_run_dir(job.run_dir, job.resumed, job.overwrite, recipe.trainer.permissions)
     notes = check_resume(recipe, job.recipe.resolve().parent, job.run_dir) if job.resumed else []
     if replaced:
         voice.say(replaced)
@@ -258,21 +257,21 @@ def prepare(recipe, job: Invocation, overwrite: bool, voice: Voice) -> None:
         voice.note(note)
 
 
-def check_dry(recipe, job: Invocation, overwrite: bool, voice: Voice) -> str:
+def check_dry(recipe, job: Invocation, voice: Voice) -> str:
     """`prepare` with dry_run=True: the run-directory policy and the resume check refuse what a run
     would refuse, and nothing is written. Returns what the run would do: create, replace or resume."""
     run_dir = job.run_dir
     exists = run_dir.is_dir() and any(run_dir.iterdir())
-    prepare_run_dir(run_dir, job.resumed, overwrite, recipe.trainer.permissions, dry_run=True)
+    prepare_run_dir(run_dir, job.resumed, job.overwrite, recipe.trainer.permissions, dry_run=True)
     if job.resumed:
         for note in check_resume(recipe, job.recipe.resolve().parent, run_dir, dry_run=True):
             voice.note(note)
     return "resume" if job.resumed else "replace" if exists else "create"
 
 
-def dry_run(recipe, job: Invocation, overwrite: bool, voice: Voice) -> None:
+def dry_run(recipe, job: Invocation, voice: Voice) -> None:
     """What `areal train` would do here: `check_dry`, then one line."""
-    action = check_dry(recipe, job, overwrite, voice)
+    action = check_dry(recipe, job, voice)
     run_dir = job.run_dir
     voice.say(
         f"dry run: would {action} {run_dir} and train {recipe.experiment} "
@@ -280,14 +279,14 @@ def dry_run(recipe, job: Invocation, overwrite: bool, voice: Voice) -> None:
     )
 
 
-def start(recipe, job: Invocation, spec: LaunchSpec, overwrite: bool, dry: bool, voice: Voice) -> None:
+def start(recipe, job: Invocation, spec: LaunchSpec, voice: Voice) -> None:
     """`areal train` on this machine: checked, then (dry) said, or prepared (node 0) and supervised in
     one process or a worker group."""
     check_world(recipe, spec.world)
-    if dry:
-        return dry_run(recipe, job, overwrite, voice)
+    if job.dry_run:
+        return dry_run(recipe, job, voice)
     if spec.node_rank == 0 and os.environ.get(PREPARED_ENV) != "1":  # node 0's (shared with the others)
-        prepare(recipe, job, overwrite, voice)
+        prepare(recipe, job, voice)
     if spec.world == 1:
         return run_here(recipe, job, voice)
     return run_workers(recipe, job, spec, voice)
