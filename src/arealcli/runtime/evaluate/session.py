@@ -305,8 +305,10 @@ def _model(s: Target, job: EvalJob, tok):
     from arealcli.runtime.evaluate.targets import LocalTarget, RemoteTarget
 
     if s.found is not None:
-        device = "cuda" if job.flags.device == "cuda" else "cpu"
-        return LocalTarget(str(s.found.model_dir), tok, device, workflow=job.settings["workflow"])
+        cuda = job.flags.device == "cuda"
+        return LocalTarget(
+            str(s.found.model_dir), tok, "cuda" if cuda else "cpu", workflow=job.settings["workflow"]
+        )
     return RemoteTarget(s.target, tok, send_key=job.flags.send_key)
 
 

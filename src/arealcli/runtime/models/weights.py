@@ -23,7 +23,8 @@ def load_plain(path: str | Path, map_location: Any = None) -> Any:
 
     from arealcli.errors import UserError
 
-    if TorchVersion(torch.__version__) < SAFE_LOADER_TORCH:
+    # TorchVersion compares with tuples (its stub says only with str)
+    if TorchVersion(torch.__version__) < SAFE_LOADER_TORCH:  # type: ignore[operator]
         raise UserError(
             f"refusing to load {path} with torch {torch.__version__}: its weights_only loader is not safe "
             f"before {'.'.join(map(str, SAFE_LOADER_TORCH))}; install a newer torch"
