@@ -212,12 +212,19 @@ def test_lora_merged_or_as_an_adapter_over_its_base(tmp_path, char_tok, run):
     files = {p.name for p in adapter.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "README.md"} <= files
     assert not files & {"config.json", "model.safetensors"}
-    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    # the base was a local folder: named as the card and recipe.yaml show it, not by its absolute path
+    config_text = (adapter / "adapter_config.json").read_text()
+    assert json.loads(config_text)["base_model_name_or_path"] == "<local>/base"
+    leaks = [p.name for p in adapter.iterdir() if str(tmp_path).encode() in p.read_bytes()]
+    assert leaks == [], f"absolute paths in {leaks}"
     meta, body = card_parts(adapter)
-    assert meta["library_name"] == "peft" and "AutoPeftModelForCausalLM" in body
-    from peft import AutoPeftModelForCausalLM  # as the card says: the base, then the adapters
+    assert meta["library_name"] == "peft" and "base_model" not in meta
+    assert "`<local>/base`" in body and "point it at your own copy of that base" in body
+    assert 'PeftModel.from_pretrained(base, "THIS_FOLDER")' in body
+    from peft import PeftModel  # as the card says: your copy of the base, then the adapters
+    from transformers import AutoModelForCausalLM
 
-    module = AutoPeftModelForCausalLM.from_pretrained(adapter).eval()
+    module = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
     with torch.no_grad():
         adapted = module(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(adapted, logits(merged, ids), rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from arealcli.runtime.run.model_card import public_command, public_recipe
 from arealcli.runtime.serve.chat import is_loopback_host, key_for
 
 TRAINER = {"max_steps": 2, "save_every_n_steps": 1, "tensorboard": False}
@@ -129,17 +130,85 @@ def test_an_exported_card_holds_no_absolute_path_or_address(ws, cli, tmp_path, m
     out = tmp_path / "export"
     result = cli("export", run, "-o", out)
     assert result.exit_code == 0, result.output
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"README.md", "recipe.yaml", "config.json", "generation_config.json", "tokenizer.json"} <= set(
+        files
+    )
+    secrets = (str(ws.root), str(tmp_path), ADDRESS.split(":")[0], HOST, "/tmp/", "/root/", "/home/")
+    for name, data in files.items():  # every file of the export (json, md, yaml, txt, weights' headers)
+        for secret in secrets:
+            assert secret.encode() not in data, (name, secret)
     for name in ("README.md", "recipe.yaml"):
-        text = (out / name).read_text()
-        for secret in (str(ws.root), str(tmp_path), ADDRESS.split(":")[0], HOST, "/tmp/"):
-            assert secret not in text, (name, secret)
-        assert "<address>" in text
-    card = (out / "README.md").read_text()
-    assert "areal train recipe.yaml -o runs/tiny" in card  # the typed command, relative to where it was typed
-    assert "--master-addr='<address>'" in card or "--master-addr=<address>" in card
+        assert b"<address>" in files[name]
+    card = files["README.md"].decode().splitlines()
+    # the typed commands, relative to the folder they were typed in: as whole lines
+    assert "areal train recipe.yaml -o runs/tiny" in card
+    resumed = [line for line in card if line.startswith("areal train recipe.yaml -o runs/tiny --resume ")]
+    assert len(resumed) == 1 and "models.default.backend.args.addresses=<address>" in resumed[0]
+    assert "--master-addr=<address>" in resumed[0].split()
     shown = yaml.safe_load((out / "recipe.yaml").read_text())
     assert shown["dataset"]["args"]["path"] == "train.jsonl"  # relative to the folder the run started from
     assert shown["models"]["default"]["backend"]["args"]["host"] == "<address>"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown"),
+    [
+        # free text (prompts, templates, stop strings) stays as written
+        ("system_prompt", "Answer briefly /no_think", "Answer briefly /no_think"),
+        ("system_prompt", "/no_think", "/no_think"),
+        ("stop", "</s>", "</s>"),
+        ("stop", "/", "/"),
+        ("chat_template", "{% for m in messages %}\n/{{ m.role }}: {{ m.content }}{% endfor %}", None),
+        ("system_prompt", "Cite https://huggingface.co/datasets/gsm8k/tree/main.", None),
+        ("system_prompt", "see https://en.wikipedia.org:443/wiki/Slash", None),
+        # but for URLs that name a machine (an address, a name of one label, a private domain), IPv4s
+        ("system_prompt", "ask http://gpu-node-17:8000/v1 first", "ask http://<address>/v1 first"),
+        ("system_prompt", "ask http://10.1.2.3:8000/v1", "ask http://<address>/v1"),
+        ("system_prompt", "ask https://vllm.cluster.internal/v1", "ask https://<address>/v1"),
+        ("system_prompt", "ask https://me:secret@huggingface.co/x", "ask https://<address>/x"),
+        ("system_prompt", "ask http://127.0.0.1:30000/v1", None),  # (this machine: points nowhere else)
+        ("system_prompt", "node 10.9.8.7:30000 is up", "node <address> is up"),
+        # local paths: the values of path keys, strings that are a path as a whole, file:// URLs
+        ("path", "/srv/alice/data/train.jsonl", "<local>/train.jsonl"),
+        ("path", "/x", "<local>/x"),
+        ("path", "Qwen/Qwen2.5-0.5B", None),  # a Hub name
+        ("output_dir", "~/runs/x", "<local>/x"),
+        ("template_file", "/srv/alice/t.jinja", "<local>/t.jinja"),
+        ("notes", "/srv/alice/data", "<local>/data"),
+        ("notes", "/usr", "<local>/usr"),  # a single name, but it is there
+        ("notes", "file:///home/alice/x.jsonl", "file://<local>/x.jsonl"),
+        ("extra_args", "--download-dir /home/alice/cache --port=1", "--download-dir <local>/cache --port=1"),
+        ("setup", "source /home/alice/venv/bin/activate", "source <local>/activate"),
+        # addresses: every host but this machine's
+        ("host", "gpu-node-17.cluster.example.org", "<address>"),
+        ("host", "0.0.0.0", None),
+        ("addresses", "http://gpu.example.org:30001", "http://<address>"),
+        ("addresses", "[::1]:30000", None),
+        ("sbatch_args", "--nodelist=gpu[1-4]", "--nodelist=<address>"),
+    ],
+)
+def test_what_a_published_recipe_rewrites_and_what_it_leaves(tmp_path, key, value, shown):
+    """Only paths and machines' addresses are rewritten: free text that merely has a slash or a public URL
+    in it (a prompt's `/no_think`, a stop string, the Hub's address) is published as written."""
+    recipe = {"dataset": {"args": {key: value}}}
+    assert public_recipe(recipe, tmp_path / "run")["dataset"]["args"][key] == (
+        value if shown is None else shown
+    )
+
+
+def test_a_published_command_rewrites_paths_and_addresses_only(tmp_path):
+    start, run = tmp_path / "project", tmp_path / "project" / "runs" / "x"
+    words = [
+        "areal", "train", str(start / "recipe.yaml"), "-o", str(run), "--master-addr", "10.0.0.1",
+        "dataset.args.system_prompt=/no_think", "dataset.args.path=/srv/d/train.jsonl",
+        "models.a.path=Qwen/Qwen2.5-0.5B", "models.a.backend.args.addresses=[gpu7:1]",
+    ]  # fmt: skip
+    assert public_command(words, start, run) == (
+        "areal train recipe.yaml -o runs/x --master-addr <address> dataset.args.system_prompt=/no_think "
+        "dataset.args.path=<local>/train.jsonl models.a.path=Qwen/Qwen2.5-0.5B "
+        "models.a.backend.args.addresses=<address>"
+    )
 
 
 # ------------------------------------------------------------------ the key of `areal chat URL`

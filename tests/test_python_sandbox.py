@@ -1,16 +1,19 @@
 """The `python` tool's sandbox with real programs: writes only its fresh temporary folder (removed
 afterwards), as root and as a user who is not, whose own files (a stand-in home with `.bashrc` and a
 recipe's plugin module) stay unchanged; reads only the system's folders and its Python; no UNIX sockets,
-no leaving its process group, no reach into the parent; a refusal, never an unconfined run, without
+no leaving its process group (tried from a child, which no refusal but the sandbox's stops), no kill -1
+or signal to a process group, no reach into the parent; an endless print stopped, not buffered; a refusal, never an unconfined run, without
 Landlock."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from arealcli.runtime.tools import ToolError, run_python, sandbox
 OTHER_UID = 4242  # a user who is not root, for the test run as root
 
 ATTEMPTS = r"""
-import json, os, socket
+import json, os, signal, socket, time
 
 
 def attempt(f):
@@ -29,6 +32,24 @@ def attempt(f):
         return "done"
     except OSError as e:
         return type(e).__name__
+
+
+def in_a_child(f):
+    # f in a forked child, no session or group leader (the program is one, so its own setsid() fails
+    # anyway): its exit code says whether f worked
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if attempt(f) == "done" else 1)
+    return "done" if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 else "refused"
+
+
+def signal_a_child_of_its_own():
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
 
 rc, plugin = os.path.join(HOME_DIR, ".bashrc"), os.path.join(HOME_DIR, "my_tool.py")
@@ -48,7 +69,11 @@ out = {
     "read the parent's environment": attempt(lambda: open(f"/proc/{os.getppid()}/environ", "rb").read()),
     "signal the parent": attempt(lambda: os.kill(os.getppid(), 0)),
     "a UNIX socket": attempt(lambda: socket.socket(socket.AF_UNIX)),
-    "leave the process group": attempt(os.setsid),
+    "leave the process group (setsid)": in_a_child(os.setsid),
+    "leave the process group (setpgid)": in_a_child(lambda: os.setpgid(0, 0)),
+    "signal every process it may (kill -1)": attempt(lambda: os.kill(-1, 0)),
+    "signal a process group": attempt(lambda: os.killpg(os.getpgid(0), 0)),
+    "signal a child of its own": attempt(signal_a_child_of_its_own),
     "write its own folder": attempt(lambda: (os.makedirs("a/b"), open("a/b/f.txt", "w").write("ok"))),
     "a locked folder of its own": attempt(lambda: (os.mkdir("locked", 0o300), open("locked/f", "w").close())),
     "write /dev/null": attempt(lambda: open("/dev/null", "w").write("x")),
@@ -61,9 +86,14 @@ print(json.dumps(out))
 REFUSED = [
     "append to .bashrc", "rewrite the plugin", "a new module beside", "rename the plugin", "remove .bashrc",
     "chmod .bashrc", "truncate .bashrc", "hard link, then write", "symlink, then write", "write /dev/shm",
-    "read .bashrc", "list /tmp", "read the parent's environment", "a UNIX socket", "leave the process group",
+    "read .bashrc", "list /tmp", "read the parent's environment", "a UNIX socket",
+    "leave the process group (setsid)", "leave the process group (setpgid)",
+    "signal every process it may (kill -1)", "signal a process group",
 ]  # fmt: skip
-ALLOWED = ["write its own folder", "a locked folder of its own", "write /dev/null", "read /etc/passwd"]
+ALLOWED = [
+    "write its own folder", "a locked folder of its own", "write /dev/null", "read /etc/passwd",
+    "signal a child of its own",
+]  # fmt: skip
 
 
 def program(home: Path) -> str:
@@ -151,6 +181,27 @@ def test_its_folder_is_removed_after_a_timeout_or_an_error(scratch, monkeypatch)
     with pytest.raises(ToolError, match="ZeroDivisionError"):
         run_python("import os\nos.makedirs('a/b')\nopen('a/b/f', 'w').close()\n1 / 0")
     assert list(scratch.iterdir()) == []
+
+
+def test_an_endless_print_is_stopped_not_buffered():
+    """A program that prints without end returns within its time limit with its output cut, read as it
+    came: the trainer's memory does not fill with it (communicate() would hold gigabytes by then)."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    started = time.monotonic()
+    out = run_python('while True:\n    print("x" * 65536)', timeout_s=60, max_output_chars=2000)
+    took = time.monotonic() - started
+    assert out.startswith("x" * 2000) and out.endswith("[stopped: it printed more than 2000 characters]")
+    assert len(out) < 2100
+    assert took < 50, f"took {took:.0f} s: the program ran to its time limit"
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 200, f"the trainer's peak memory grew by {grown_mib:.0f} MiB"
+
+
+def test_an_endless_error_stream_is_stopped_too():
+    started = time.monotonic()
+    with pytest.raises(ToolError, match="more than 1 MiB of errors"):
+        run_python('import sys\nwhile True:\n    sys.stderr.write("e" * 65536)', timeout_s=60)
+    assert time.monotonic() - started < 50
 
 
 def test_without_landlock_the_program_is_refused_not_run_unconfined(monkeypatch):

@@ -1,10 +1,10 @@
 """`areal export`: one model of a run's checkpoint as a self-contained Hugging Face folder.
 
     OUT/  config.json, *.safetensors    the weights (LoRA merged into them), or with `adapter`:
-          adapter_config.json,          the LoRA adapters alone (peft's layout) over the base model
-          adapter_model.safetensors
+          adapter_config.json,          the LoRA adapters alone (peft's layout) over the base model (a
+          adapter_model.safetensors     Hub name as it is; a local folder as the recipe shows it)
           tokenizer files, generation_config.json (the recipe's sampling settings for this model)
-          recipe.yaml, report.png       the run's resolved recipe (`public_recipe`: no local absolute
+          recipe.yaml, report.png       the run's resolved recipe (`published`: no local absolute
                                         path or address) and its plot (when it has one)
           README.md                     the model card (`model_card`)
 
@@ -29,7 +29,7 @@ import yaml
 
 from arealcli.errors import UserError
 from arealcli.runtime.run.checkpoint import verify_checkpoint
-from arealcli.runtime.run.model_card import CARD_MARK, model_card, public_recipe
+from arealcli.runtime.run.model_card import CARD_MARK, Published, model_card, published
 from arealcli.runtime.run.targets import ModelCheckpoint, generate_calls, run_recipe, saved_source
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -74,6 +74,7 @@ def export(found: ModelCheckpoint, out: Path, adapter: bool = False, force: bool
     if why is not None:
         raise UserError(f"{found.model_dir.parent} is damaged: {why}; export another step (--step N)")
     recipe = run_recipe(found.run_dir)
+    shown = published(recipe, found.run_dir)  # what the card, recipe.yaml and the adapters' config show
     tmp = out.parent / f".tmp-export-{out.name}-{os.getpid()}"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -83,18 +84,17 @@ def export(found: ModelCheckpoint, out: Path, adapter: bool = False, force: bool
         raise UserError(f"cannot write into {out.parent}: {e.strerror or e}") from None
     try:
         if adapter:
-            _copy_adapter(found, recipe, tmp)
+            _copy_adapter(found, recipe, shown, tmp)
         else:
             _copy_model(found.model_dir, tmp)
         if not any((tmp / f).is_file() for f in TOKENIZER_FILES):
             _write_tokenizer(recipe, found.model, tmp)
         _write_generation_config(found, recipe, tmp)
         if (found.run_dir / "recipe.yaml").is_file():  # as the card shows it: no local path or address
-            shown = yaml.safe_dump(public_recipe(recipe, found.run_dir), sort_keys=False)
-            (tmp / "recipe.yaml").write_text(shown)
+            (tmp / "recipe.yaml").write_text(yaml.safe_dump(shown.recipe, sort_keys=False))
         if (found.run_dir / "report.png").is_file():
             shutil.copyfile(found.run_dir / "report.png", tmp / "report.png")
-        (tmp / "README.md").write_text(model_card(found, recipe, adapter, tmp))
+        (tmp / "README.md").write_text(model_card(found, recipe, shown, adapter, tmp))
         _publish(tmp, out)
     except OSError as e:  # disk full, permissions: nothing half-written is left
         shutil.rmtree(tmp, ignore_errors=True)
@@ -114,8 +114,10 @@ def _copy_model(model_dir: Path, dst: Path) -> None:
             shutil.copyfile(f, dst / f.name)
 
 
-def _copy_adapter(found: ModelCheckpoint, recipe: dict[str, Any], dst: Path) -> None:
-    """The adapters in peft's layout, naming the base model they go over; and the tokenizer files."""
+def _copy_adapter(found: ModelCheckpoint, recipe: dict[str, Any], shown: Published, dst: Path) -> None:
+    """The adapters in peft's layout, naming the base model they go over (as published: a Hub name as it
+    is, a local folder as `shown` has it, which the card asks the reader to point at their own copy);
+    and the tokenizer files."""
     src = found.model_dir / "adapter"
     if not all((src / f).is_file() for f in ADAPTER_FILES):
         raise UserError(
@@ -131,7 +133,9 @@ def _copy_adapter(found: ModelCheckpoint, recipe: dict[str, Any], dst: Path) -> 
     for name in ADAPTER_FILES:
         shutil.copyfile(src / name, dst / name)
     config = json.loads((dst / "adapter_config.json").read_text())
-    config["base_model_name_or_path"] = base  # the recipe's own: a Hub name, or a local folder
+    config["base_model_name_or_path"] = ((shown.recipe.get("models") or {}).get(found.model) or {}).get(
+        "path", base
+    )
     (dst / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     weights = {"config.json", "generation_config.json", "model.safetensors.index.json"}
     for f in sorted(found.model_dir.iterdir()):

@@ -2,10 +2,17 @@
 with which recipe and command, for how many steps, and its held-out scores over training (from the run's
 `metrics.jsonl`, up to the exported step), with the Hub's metadata block on top.
 
-A card is written to be published, so it shows no local absolute path, host name or address: paths
-under the folder the run was started from are shown relative to it, the run's own files as `<run>/...`,
-other local paths by their last name (`<local>/NAME`), and server addresses and host names (`addresses`,
-`host`, URLs, IP addresses, `--master-addr`) as `<address>` (`public_recipe`, `public_command`).
+A card is written to be published, so it shows no local absolute path, host name or address
+(`published`: the recipe and commands.log's commands, worked out once for the card and the export):
+- local paths (the values of path keys such as `path` and `output_dir`, command words, and strings that
+  are a path as a whole) under the folder the run was started from are shown relative to it (the run's
+  own files too when the run lies in it, as `runs/NAME/...`), the run's files otherwise as `<run>/...`,
+  other local paths by their last name (`<local>/NAME`), file:// URLs' paths likewise;
+- server addresses and host names (keys `addresses`, `host`, `*_url`, `--master-addr`, IP addresses) as
+  `<address>`, but this machine's own (loopback, 0.0.0.0, ::), which point nowhere else;
+- free text (prompts, chat templates, stop strings) stays as written, but for the hosts of URLs that name
+  a machine rather than a public site (an IP address, a name of one label, a private domain) and IPv4
+  addresses.
 """
 
 from __future__ import annotations
@@ -16,38 +23,44 @@ import math
 import os
 import re
 import shlex
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from arealcli.runtime.console.report import LOWER_IS_BETTER, read_metrics
+from arealcli.runtime.run.session import COMMANDS_LOG
 from arealcli.runtime.run.targets import ModelCheckpoint
+from arealcli.runtime.wire.hosts import is_loopback_host
 
 CARD_MARK = "<!-- written by areal export"
 MAX_ROWS = 25  # held-out rows shown; more are thinned evenly (first and last kept)
 
 
-def model_card(found: ModelCheckpoint, recipe: dict[str, Any], adapter: bool, folder: Path) -> str:
+def model_card(
+    found: ModelCheckpoint, recipe: dict[str, Any], shown: Published, adapter: bool, folder: Path
+) -> str:
     """The card of the export being written in `folder` (its other files are there already). `recipe`
-    is the run's own; the card shows its `public_recipe`."""
+    is the run's own; `shown` what of it and of its commands is published (`published`)."""
     assert found.run_dir is not None and found.model is not None and found.step is not None
     spec = (recipe.get("models") or {}).get(found.model) or {}  # (the Hub names in it are not local)
-    shown = public_recipe(recipe, found.run_dir)
-    shown_spec = (shown.get("models") or {}).get(found.model) or {}
+    shown_spec = (shown.recipe.get("models") or {}).get(found.model) or {}
     rows = [r for r in read_metrics(found.run_dir) if isinstance(r.get("step"), int)]
-    experiment = shown.get("experiment") or found.run_dir.name
+    experiment = shown.recipe.get("experiment") or found.run_dir.name
     parts = [
         _front_matter(recipe, spec, adapter),
         f"{CARD_MARK}: `areal export --force` may replace this folder -->\n",
         f"# {experiment}: model `{found.model}` at step {found.step}\n",
-        _summary(shown, found, adapter),
-        _facts(shown, shown_spec, found, rows, adapter),
+        _summary(shown.recipe, found, adapter),
+        _facts(shown.recipe, shown_spec, found, rows, adapter),
         _results(rows, found.step),
     ]
     if (folder / "report.png").is_file():
         parts.append("## Training curves\n\n![metrics of the run over training](report.png)\n")
-    parts += [_usage(adapter, tokenizer_class(folder)), _reproduce(shown, _commands(found.run_dir))]
+    local_base = shown_spec.get("path") if adapter and not _is_hub_name(spec.get("path")) else None
+    parts += [_usage(adapter, tokenizer_class(folder), local_base), _reproduce(shown.recipe, shown.commands)]
     return "\n".join(parts)
 
 
@@ -56,31 +69,85 @@ def model_card(found: ModelCheckpoint, recipe: dict[str, Any], adapter: bool, fo
 ADDRESS = "<address>"
 RUN = "<run>"
 LOCAL = "<local>"
-_LOCAL_HOSTS = ("localhost", "0.0.0.0", "::")  # (and the loopback addresses): they point nowhere else
+_ANY_INTERFACE = ("0.0.0.0", "::")  # every interface: like loopback, it points at no other machine
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)(\[[^\]]*\]|[^/\s'\"?#]+)")
+_FILE_URL = re.compile(r"(?i)(file://)([^/\s'\"]*)(/[^\s'\"]*)")  # (host, often empty) and the path
 _IPV4 = re.compile(r"(?<![\w.])\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?(?![\w.])")
-_ADDRESS_FLAGS = ("--master-addr", "--address", "--nodelist", "--exclude", "-w", "-x")
+_ADDRESS_FLAGS = ("--master-addr", "--address")  # `areal train`'s flags whose value is a host
+_PATH_KEYS = ("path", "output_dir", "python", "python_executable")
+_COMMAND_KEYS = ("extra_args", "sbatch_args", "setup")  # command-line words and shell lines
+_PRIVATE_SUFFIXES = (
+    ".local",
+    ".localdomain",
+    ".lan",
+    ".home",
+    ".home.arpa",
+    ".internal",
+    ".intranet",
+    ".corp",
+)
+
+
+def _key_name(key: str) -> str:
+    """The last name of a recipe key, an override's dotted key or a flag (`a.b.path`, `--master-addr`)."""
+    return key.lower().rsplit(".", 1)[-1].lstrip("-")
 
 
 def _is_address_key(key: str) -> bool:
     """A recipe key, an override's or a flag's name that holds host names or addresses."""
-    key = key.lower().rsplit(".", 1)[-1].lstrip("-")
-    return any(word in key for word in ("addr", "host", "url", "nodelist", "exclude"))
+    return any(word in _key_name(key) for word in ("addr", "host", "url", "nodelist", "exclude"))
 
 
-def _local_host(text: str) -> bool:
-    """A host (or host:port) that names this machine only: loopback, or every interface."""
-    host = text.strip()
-    if host.startswith("[") and "]" in host:
-        host = host[1 : host.index("]")]
-    elif host.count(":") == 1:
-        host = host.split(":", 1)[0]
-    if host.lower() in _LOCAL_HOSTS:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
+def _is_path_key(key: str) -> bool:
+    """A recipe key that holds a path (a model's, the data's, the run's folder, a Python)."""
+    name = _key_name(key)
+    return name in _PATH_KEYS or name.endswith(("_path", "_dir", "_file", "_folder"))
+
+
+def _absolute(text: str) -> bool:
+    return text.startswith(("/", "~/")) or text == "~"
+
+
+def _is_path(text: str) -> bool:
+    """A string that is a local path as a whole: absolute, and there on this machine or of two names or
+    more without spaces (`/no_think`, `/` or a sentence that starts with a slash is text)."""
+    if not _absolute(text) or "\n" in text:
         return False
+    full = os.path.normpath(os.path.expanduser(text))
+    names = [n for n in full.split(os.sep) if n]
+    if not names:
+        return False
+    return os.path.lexists(full) or (len(names) >= 2 and not any(c.isspace() for c in text))
+
+
+def _host(netloc: str) -> str:
+    """The host of `host`, `host:port`, `[v6]:port` (a bare IPv6 address is its own host)."""
+    netloc = netloc.strip()
+    if netloc.startswith("[") and "]" in netloc:
+        return netloc[1 : netloc.index("]")]
+    return netloc.split(":", 1)[0] if netloc.count(":") == 1 else netloc
+
+
+def _local_host(netloc: str) -> bool:
+    """A host (or host:port) that names this machine only: loopback, or every interface."""
+    host = _host(netloc)
+    return host in _ANY_INTERFACE or is_loopback_host(host)
+
+
+def _public_host(netloc: str) -> bool:
+    """A name of the public internet (`huggingface.co`), kept in text: dotted, not an IP address, not a
+    private domain (`.local`, `.internal`, ...), no credentials. A name of one label (`gpu-node-17`) or an
+    address names a machine of the site that trained the model."""
+    if "@" in netloc:
+        return False
+    name = _host(netloc).lower().rstrip(".")
+    if "." not in name or name.endswith(_PRIVATE_SUFFIXES):
+        return False
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return True
+    return False
 
 
 class _Scrub:
@@ -104,51 +171,70 @@ class _Scrub:
                 return shown if rel == "." else f"{shown}/{rel}"
         return f"{LOCAL}/{full.name}" if full.name else LOCAL
 
-    def token(self, token: str, key: str = "") -> str:
-        """One word of a value or a command: a path, `NAME=VALUE`, or text with URLs and IPs."""
-        if key and _is_address_key(key):
-            return self.address(token)
-        if token.startswith(("/", "~/")):
-            return self.path(token)
-        name, eq, value = token.partition("=")
-        if eq and name and not name.startswith(("/", "~")):
-            if _is_address_key(name):
-                return f"{name}={ADDRESS}"
-            if value.startswith(("/", "~/")):
-                return f"{name}={self.path(value)}"
-        return self.addresses(token)
-
-    def address(self, text: str) -> str:
-        """The value of an address key: a URL with its host hidden, else `<address>` (this machine's
-        kept: it points nowhere else)."""
-        if "://" in text:
-            return self.addresses(text)
-        return text if _local_host(text) else ADDRESS
-
-    @staticmethod
-    def addresses(text: str) -> str:
-        """URLs' hosts and IPv4 addresses (but this machine's) as `<address>`."""
-        text = _URL.sub(lambda m: m.group(0) if _local_host(m.group(2)) else m.group(1) + ADDRESS, text)
-        return _IPV4.sub(lambda m: m.group(0) if _local_host(m.group(0)) else ADDRESS, text)
-
     def value(self, data: Any, key: str = "") -> Any:
         """A recipe value, every string in it rewritten (the key of a list is its items')."""
         if isinstance(data, dict):
             return {k: self.value(v, str(k)) for k, v in data.items()}
         if isinstance(data, list):
             return [self.value(v, key) for v in data]
-        if not isinstance(data, str):
-            return data
-        if key and _is_address_key(key):
-            return self.address(data)
-        return re.sub(r"\S+", lambda m: self.token(m.group(0)), data)
+        return self.text(data, key) if isinstance(data, str) else data
+
+    def text(self, text: str, key: str = "") -> str:
+        """One string of the recipe under `key`: an address, command words, a path, or free text."""
+        if _is_address_key(key):
+            return self.address(text)
+        if _key_name(key) in _COMMAND_KEYS:
+            return re.sub(r"\S+", lambda m: self.word(m.group(0)), text)
+        if _is_path(text) or (_is_path_key(key) and _absolute(text)):
+            return self.path(text)
+        return self.free(text)
+
+    def word(self, word: str) -> str:
+        """One word of a command line: a path, `--flag=VALUE`, an override `KEY=VALUE`, or other text."""
+        if _absolute(word):
+            return self.path(word)
+        name, eq, value = word.partition("=")
+        if not (eq and name) or name.startswith("~"):
+            return self.free(word)
+        if not name.startswith("-"):
+            return f"{name}={self.text(value, name)}"  # an override: as the recipe's value of that key
+        if name in _ADDRESS_FLAGS or _is_address_key(name):
+            return f"{name}={ADDRESS}"
+        return f"{name}={self.path(value) if _absolute(value) else self.free(value)}"
+
+    def address(self, text: str) -> str:
+        """The value of an address key: a URL with its host hidden, else `<address>` (this machine's
+        kept: it points nowhere else)."""
+        if "://" in text:
+            return self.urls(text, _local_host)
+        return text if _local_host(text) else ADDRESS
+
+    def free(self, text: str) -> str:
+        """Free text (a prompt, a chat template, a stop string) stays as written but for the hosts of URLs
+        that name a machine (`_public_host`), the paths of file:// URLs, and IPv4 addresses (but this
+        machine's)."""
+        text = self.urls(text, lambda netloc: _local_host(netloc) or _public_host(netloc))
+        return _IPV4.sub(lambda m: m.group(0) if _local_host(m.group(0)) else ADDRESS, text)
+
+    def urls(self, text: str, keep: Callable[[str], bool]) -> str:
+        """URLs' hosts but those `keep` keeps as `<address>`; file:// URLs' paths as `path`'s."""
+
+        def host(m: re.Match[str]) -> str:
+            if m.group(1).lower() == "file://" or keep(m.group(2)):
+                return m.group(0)
+            return m.group(1) + ADDRESS
+
+        def file(m: re.Match[str]) -> str:
+            where = m.group(2) if not m.group(2) or _local_host(m.group(2)) else ADDRESS
+            shown = self.path(m.group(3))
+            return f"file://{where}{shown}" if shown.startswith("<") else f"file:{shown}"
+
+        return _FILE_URL.sub(file, _URL.sub(host, text))
 
 
 def _start_dirs(run_dir: Path) -> list[tuple[Path | None, list[str]]]:
     """(the folder it was typed in, the command's words) of each `areal train` of the run (commands.log:
     `TIME  cd DIR && areal train ...`), oldest first."""
-    from arealcli.runtime.run.session import COMMANDS_LOG
-
     try:
         lines = (run_dir / COMMANDS_LOG).read_text().splitlines()
     except OSError:
@@ -168,11 +254,27 @@ def _start_dirs(run_dir: Path) -> list[tuple[Path | None, list[str]]]:
     return out
 
 
-def public_recipe(recipe: dict[str, Any], run_dir: Path) -> dict[str, Any]:
-    """The run's recipe as a published card and export show it: local paths relative to the folder the
-    run was first started from (`<run>/...`, `<local>/NAME` for the others), addresses `<address>`."""
+@dataclass(frozen=True)
+class Published:
+    """What an export publishes of a run's recipe and commands (commands.log read once)."""
+
+    recipe: dict[str, Any]  # `public_recipe`
+    commands: list[str]  # the `areal train` commands of commands.log, oldest first, as `public_command`
+
+
+def published(recipe: dict[str, Any], run_dir: Path) -> Published:
+    """The run's recipe and commands as an export shows them (`public_recipe`, `public_command`)."""
     starts = _start_dirs(run_dir)
-    return _Scrub(run_dir, starts[0][0] if starts else None).value(recipe)
+    shown = _Scrub(run_dir, starts[0][0] if starts else None).value(recipe)
+    return Published(shown, [public_command(words, start, run_dir) for start, words in starts])
+
+
+def public_recipe(recipe: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The run's recipe as a published card and export show it: local paths (the values of path keys,
+    and strings that are a path as a whole) relative to the folder the run was first started from
+    (`<run>/...` and `<local>/NAME` for the others, see the module docstring), addresses `<address>`;
+    free text (prompts, templates, stop strings) as written but for URLs' hosts that name a machine."""
+    return published(recipe, run_dir).recipe
 
 
 def public_command(words: list[str], start: Path | None, run_dir: Path) -> str:
@@ -182,7 +284,7 @@ def public_command(words: list[str], start: Path | None, run_dir: Path) -> str:
     out: list[str] = []
     for i, word in enumerate(words):
         after_flag = i > 0 and words[i - 1] in _ADDRESS_FLAGS
-        out.append(ADDRESS if after_flag else scrub.token(word))
+        out.append(ADDRESS if after_flag else scrub.word(word))
     return " ".join(_quote(w) for w in out)
 
 
@@ -341,7 +443,23 @@ def tokenizer_class(folder: Path) -> str:
 GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def _usage(adapter: bool, tok_class: str) -> str:
+def _usage(adapter: bool, tok_class: str, local_base: str | None = None) -> str:
+    """How to load the export. Adapters over a local base (`local_base`, as published) need the reader's
+    own copy of that base."""
+    if adapter and local_base is not None:
+        code = (
+            "from peft import PeftModel\n"
+            f"from transformers import AutoModelForCausalLM, {tok_class}\n\n"
+            'base = AutoModelForCausalLM.from_pretrained("YOUR_COPY_OF_THE_BASE")\n'
+            'model = PeftModel.from_pretrained(base, "THIS_FOLDER")  # these adapters over it\n'
+            f'tokenizer = {tok_class}.from_pretrained("THIS_FOLDER")\n'
+        )
+        note = (
+            f"The base model was a local folder (`{local_base}`; `base_model_name_or_path` in "
+            "`adapter_config.json` says so): point it at your own copy of that base, or load the base "
+            "first as below.\n\n"
+        )
+        return f"## Use\n\n{note}```python\n{code}```\n"
     if adapter:
         code = (
             "from peft import AutoPeftModelForCausalLM\n"
@@ -362,12 +480,6 @@ def _usage(adapter: bool, tok_class: str) -> str:
     return f"## Use\n\n```python\n{code}```\n\n```\n{shell}```\n"
 
 
-def _commands(run_dir: Path) -> list[str]:
-    """The `areal train` commands of the run, as commands.log records them (oldest first), without the
-    folder they were typed in, and published (`public_command`)."""
-    return [public_command(words, start, run_dir) for start, words in _start_dirs(run_dir)]
-
-
 def _reproduce(recipe: dict[str, Any], commands: list[str]) -> str:
     experiment = recipe.get("experiment") or "run"
     text = yaml.safe_dump(recipe, sort_keys=False) if recipe else "(the run has no recipe.yaml)\n"
@@ -381,9 +493,9 @@ def _reproduce(recipe: dict[str, Any], commands: list[str]) -> str:
         + "The run's resolved recipe (overrides applied, presets expanded) is `recipe.yaml` in this "
         "folder, shown below. Its local paths are relative to the folder the run was started from "
         "(`<local>/NAME`: a file or folder elsewhere on the machine that trained it, `<run>/...`: in the "
-        "run's own folder) and server addresses read `<address>`: with the recipe in that folder and "
-        "those filled in, this command trains the same model again (with the same data, torch build "
-        "and CPU kind or GPU):\n\n"
+        "run's own folder, when that lay elsewhere) and server addresses read `<address>`: with the "
+        "recipe in that folder and those filled in, this command trains the same model again (with the "
+        "same data, torch build and CPU kind or GPU):\n\n"
         f"```\nareal train recipe.yaml -o runs/{experiment}\n```\n\n"
         f"<details><summary>recipe.yaml</summary>\n\n```yaml\n{text}```\n\n</details>\n"
     )

@@ -5,7 +5,6 @@ runner and batching scheduler of `areal serve`, without HTTP), or an OpenAI-comp
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,6 +12,7 @@ from urllib.parse import urlsplit
 from arealcli.errors import UserError
 from arealcli.runtime.console.chat import ChatError, Reply, SamplingFlags
 from arealcli.runtime.wire.auth import API_KEY_ENV, bearer
+from arealcli.runtime.wire.hosts import is_loopback_host  # (importable from here too: serve/start.py)
 
 
 class LocalChat:
@@ -82,22 +82,6 @@ class LocalChat:
 
 FINISH = {"stop": "stop", "length": "length", "tool_calls": "stop"}  # OpenAI's finish_reason -> ours
 SEND_KEY_FLAG = "--send-key"
-
-
-def is_loopback_host(host: str | None) -> bool:
-    """Whether `host` (a URL's host name) can only mean this machine: `localhost`, an address in
-    127.0.0.0/8 or ::1 (also IPv4-mapped). Other names are not looked up: one that resolves to this
-    machine today may not tomorrow, so it counts as another machine."""
-    if not host:
-        return False
-    if host.lower().rstrip(".") == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)
-    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def key_for(url: str, send_key: bool) -> str | None:

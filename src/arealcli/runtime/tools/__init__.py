@@ -6,7 +6,8 @@ Built in:
     python       runs the argument as a Python program in a subprocess and returns what it printed: a
                  new session, no network (its own network namespace), an unprivileged user when started
                  as root, limits on wall time, CPU time, memory, processes, open files and file size, and
-                 (Landlock, seccomp) writes only in a fresh temporary folder; see `sandbox.py`.
+                 (Landlock, seccomp) writes only in a fresh temporary folder; its output is read as
+                 it comes and a program that prints past `max_output_chars` is stopped; see `sandbox.py`.
                  Off unless a workflow enables it (`allow_python: true`); `areal check` refuses it otherwise.
 
 Register your own with `register_tool(name, fn)` (from a module listed in the recipe's `imports:`).

@@ -13,7 +13,10 @@ The child, between fork and exec (the Landlock ruleset and the seccomp filter ar
   signal them or reach their abstract UNIX sockets;
 - seccomp: no UNIX-domain sockets (a user's systemd, D-Bus, Docker or X11 socket would run code outside),
   no io_uring, no changes to any file's metadata (mode, owner, times, extended attributes, flags), no
-  truncating by path.
+  truncating by path, no kill(2) of -1 (every process it may signal) or of a process group (a negative
+  pid, its own too). Before Linux 6.12 (no Landlock signal scope) it can still signal a single process
+  by its pid: the trainer's, and others of the same user (of `nobody` when the trainer runs as root).
+Its output is read as it comes (`_collect`): one that prints past its limit is stopped, never buffered.
 A kernel without Landlock (before 5.13, or not in its `lsm=` list) or a machine other than x86_64 or
 aarch64 gets a refusal, never an unconfined run. Standard library only: tests run it as another user.
 """
@@ -25,12 +28,14 @@ import math
 import os
 import platform
 import resource
+import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 NOBODY = 65534
@@ -149,14 +154,14 @@ _SHARED = {
     "removexattrat": 466,
     "file_setattr": 469,
 }
-ARCHES = {  # audit arch, socket(2), refused syscalls
-    "x86_64": (0xC000003E, 41, _SHARED | {
+ARCHES = {  # audit arch, socket(2), kill(2), refused syscalls
+    "x86_64": (0xC000003E, 41, 62, _SHARED | {
         "chmod": 90, "fchmod": 91, "chown": 92, "fchown": 93, "lchown": 94, "truncate": 76, "utime": 132,
         "utimes": 235, "fchownat": 260, "futimesat": 261, "fchmodat": 268, "utimensat": 280,
         "setxattr": 188, "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198,
         "fremovexattr": 199, "setsid": 112, "setpgid": 109,
     }),
-    "aarch64": (0xC00000B7, 198, _SHARED | {
+    "aarch64": (0xC00000B7, 198, 129, _SHARED | {
         "fchmod": 52, "fchmodat": 53, "fchownat": 54, "fchown": 55, "truncate": 45, "utimensat": 88,
         "setxattr": 5, "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15,
         "fremovexattr": 16, "setsid": 157, "setpgid": 154,
@@ -177,31 +182,54 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
+Instruction = tuple[int, int | str, int | str, int]  # (code, jump if true, if false, k); str: a label
+
+
+def _assemble(lines: list[Instruction | str]) -> list[tuple[int, int, int, int]]:
+    """BPF instructions with their jumps to labels (the strings in `lines`) made relative."""
+    labels: dict[str, int] = {}
+    code: list[Instruction] = []
+    for line in lines:
+        if isinstance(line, str):
+            labels[line] = len(code)
+        else:
+            code.append(line)
+
+    def offset(jump: int | str, pc: int) -> int:
+        return labels[jump] - pc - 1 if isinstance(jump, str) else jump
+
+    return [(op, offset(jt, pc), offset(jf, pc), k) for pc, (op, jt, jf, k) in enumerate(code)]
+
+
 def seccomp_filter(machine: str | None = None) -> _SockFprog:
-    """A BPF program: other ABIs killed; the refused syscalls and socket(AF_UNIX, ...) get EPERM."""
+    """A BPF program: other ABIs killed; the refused syscalls, socket(AF_UNIX, ...) and kill(2) with a
+    negative pid (-1: every process the program may signal; -PGID: a process group) get EPERM."""
     machine = machine or platform.machine()
     if machine not in ARCHES:
         raise SandboxError(f"the sandbox knows x86_64 and aarch64 system calls, not {machine}'s; not run")
-    arch, socket_nr, refused = ARCHES[machine]
-    numbers = sorted(refused.values())
-    deny = 10 + len(numbers)  # the index of the EPERM return
-    code = [
+    arch, socket_nr, kill_nr, refused = ARCHES[machine]
+    lines: list[Instruction | str] = [
         (BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
         (BPF_JEQ_K, 1, 0, arch),
         (BPF_RET_K, 0, 0, SECCOMP_RET_KILL_PROCESS),
         (BPF_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
-        (BPF_JGE_K, deny - 5, 0, X32_SYSCALL_BIT),
-        (BPF_JEQ_K, len(numbers) + 1, 0, socket_nr),
-    ]
-    code += [(BPF_JEQ_K, deny - (7 + i), 0, nr) for i, nr in enumerate(numbers)]
-    code += [
+        (BPF_JGE_K, "deny", 0, X32_SYSCALL_BIT),
+        (BPF_JEQ_K, "socket", 0, socket_nr),
+        (BPF_JEQ_K, "kill", 0, kill_nr),
+        *[(BPF_JEQ_K, "deny", 0, nr) for nr in sorted(refused.values())],
         (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+        "socket",
         (BPF_LD_W_ABS, 0, 0, 16),  # the low word of seccomp_data.args[0]: socket's domain
-        (BPF_JEQ_K, 1, 0, AF_UNIX),
+        (BPF_JEQ_K, "deny", 0, AF_UNIX),
         (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+        "kill",
+        (BPF_LD_W_ABS, 0, 0, 16),  # the low word of args[0]: kill's pid (a 32-bit pid_t)
+        (BPF_JGE_K, "deny", 0, 1 << 31),  # negative
+        (BPF_RET_K, 0, 0, SECCOMP_RET_ALLOW),
+        "deny",
         (BPF_RET_K, 0, 0, SECCOMP_RET_EPERM),
     ]
-    assert len(code) == deny + 1
+    code = _assemble(lines)
     program = (_SockFilter * len(code))(*(_SockFilter(c, jt, jf, k) for c, jt, jf, k in code))
     fprog = _SockFprog(len(code), ctypes.cast(program, ctypes.POINTER(_SockFilter)))
     fprog.program = program  # kept alive with it
@@ -329,23 +357,85 @@ def _start(argv: list[str], workdir: str, plan: _Plan) -> subprocess.Popen:
         os.close(report_r)
 
 
+ERROR_TAIL = 8192  # bytes of the program's stderr kept (its last line is the error shown)
+ERROR_BUDGET = 1 << 20  # stderr bytes read before the program is stopped
+
+
+@dataclass
+class _Output:
+    """What the program printed, read as it comes: stdout up to `budget` bytes, the tail of stderr."""
+
+    budget: int
+    out: bytearray = field(default_factory=bytearray)
+    err: bytearray = field(default_factory=bytearray)
+    err_total: int = 0
+    flooded: str = ""  # "stdout" or "stderr": it printed past its budget and was stopped
+
+    def add(self, stream: str, chunk: bytes) -> None:
+        if stream == "stdout":
+            self.out += chunk
+            if len(self.out) > self.budget:
+                del self.out[self.budget :]
+                self.flooded = "stdout"
+            return
+        self.err += chunk
+        self.err_total += len(chunk)
+        del self.err[:-ERROR_TAIL]
+        if self.err_total > ERROR_BUDGET:
+            self.flooded = "stderr"
+
+
+def _read(proc: subprocess.Popen, timeout_s: float, output: _Output) -> None:
+    """Read the program's stdout and stderr as they come until both close and it exits, or it floods
+    (`output.flooded`); never more than the budgets in memory. subprocess.TimeoutExpired at the end of
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None and proc.stderr is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ, "stdout")
+        selector.register(proc.stderr, selectors.EVENT_READ, "stderr")
+        while selector.get_map() and not output.flooded:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(proc.args, timeout_s)
+            for key, _ in selector.select(left):
+                chunk = os.read(key.fd, 1 << 16)
+                if chunk:
+                    output.add(key.data, chunk)
+                else:
+                    selector.unregister(key.fileobj)
+    if not output.flooded:
+        proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+
+
 def _collect(proc: subprocess.Popen, timeout_s: float, max_output_chars: int) -> str:
-    """Wait for the program (killing its whole process group at the end); its stdout, or why it failed."""
+    """Wait for the program (killing its whole process group at the end); its stdout, or why it failed.
+    Its output is read as it comes: one that prints more than `max_output_chars` (4 bytes a character)
+    is stopped there, so an endless print never fills the trainer's memory."""
+    output = _Output(budget=max(max_output_chars, 1) * 4)
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        _read(proc, timeout_s, output)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
         raise SandboxError(f"no result within {timeout_s:g} s") from None
     finally:
         _kill_group(proc)  # whatever it started dies with it (it cannot leave the group)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    text = output.out.decode(errors="replace")[:max_output_chars].rstrip()
+    if output.flooded == "stdout":
+        return f"{text}\n[stopped: it printed more than {max_output_chars} characters]"
+    if output.flooded == "stderr":
+        raise SandboxError(f"stopped: it wrote more than {ERROR_BUDGET >> 20} MiB of errors")
     if proc.returncode != 0:
-        last = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        err = output.err.decode(errors="replace")
+        last = err.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
         if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL):  # the CPU-time limit (soft, then hard)
             last = [f"no result within {timeout_s:g} s (its CPU time limit)"]
         elif proc.returncode < 0:
             last = [f"killed by {signal.Signals(-proc.returncode).name}"]
         raise SandboxError(last[0][:300])
-    return out.decode(errors="replace")[:max_output_chars].rstrip()
+    return text
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
