@@ -4,6 +4,7 @@ samples join a running batch and leave it when done, and a sample gets the same 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import pytest
@@ -237,3 +238,25 @@ def test_rows_that_join_and_leave_decode_as_they_do_alone(char_tok, family):
         torch.testing.assert_close(torch.tensor(lps[i]), torch.tensor(ref.logprobs[0][:n]), atol=1e-5, rtol=0)
     assert len(got[3]) == 4 and all(len(got[i]) == steps for i in range(len(PROMPTS)) if i != 3)
     assert dec.rows == 0 and dec.capacity == (0, 0)  # the cache is freed with the last row
+
+
+def test_an_update_that_cannot_load_returns_why_and_serving_goes_on(scheduler, char_tok, tmp_path):
+    """In process (no confining folder): a folder that is missing, a file, a FIFO named like weights
+    (opened without blocking: no writer ever comes) or a link loop is (False, why), never an exception;
+    the update lock is free again and the next sample runs on the same weights."""
+    before = run(scheduler, [seq(char_tok, PROMPTS[0], max_new=4)])[0].output_ids
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "model.safetensors")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    cases = {
+        "missing": "no *.safetensors weights in",
+        "file": "Not a directory",
+        "fifo": "not a regular file",
+        "loop": "symbolic links",
+    }
+    for name, why in cases.items():
+        ok, message = scheduler.update_weights(str(tmp_path / name), "v9", abort=False)
+        assert not ok and why in message, (name, message)
+    assert scheduler.updates_waiting == 0 and scheduler.weight_version == "default"
+    assert run(scheduler, [seq(char_tok, PROMPTS[0], max_new=4)])[0].output_ids == before

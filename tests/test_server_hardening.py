@@ -130,8 +130,12 @@ def result(t: threading.Thread, box: dict, timeout: float = 120):
 # --------------------------------------------------------------------------- poison requests
 
 
+HUGE = b"1" + b"0" * 400  # an integer beyond a float's range (JSON integers are unbounded)
+
+
 def test_poison_requests_get_400_naming_the_field_while_a_concurrent_request_completes(served):
-    assert served.post("/slow_down", {"forward_sleep_time": 0.05}).status_code == 200
+    # the innocent request sleeps 10 s (40 steps x 0.25 s; sleeping costs no CPU): it outlasts the poisons
+    assert served.post("/slow_down", {"forward_sleep_time": 0.25}).status_code == 200
     try:
         long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
         t, box = run_in_thread(lambda: served.post("/generate", long))
@@ -171,6 +175,19 @@ def test_poison_requests_get_400_naming_the_field_while_a_concurrent_request_com
             ),
             ("/slow_down", b'{"forward_sleep_time": 1e9}', "forward_sleep_time"),
             ("/slow_down", b'{"forward_sleep_time": Infinity}', "forward_sleep_time"),
+            (
+                "/generate",
+                b'{"input_ids": [20], "sampling_params": {"temperature": %s}}' % HUGE,
+                "temperature",
+            ),
+            ("/generate", b'{"input_ids": [20], "sampling_params": {"top_p": -%s}}' % HUGE, "top_p"),
+            ("/v1/completions", b'{"prompt": [20, 21], "temperature": %s}' % HUGE, "temperature"),
+            (
+                "/v1/chat/completions",
+                b'{"messages": [{"role": "user", "content": "a"}], "top_p": %s}' % HUGE,
+                "top_p",
+            ),
+            ("/slow_down", b'{"forward_sleep_time": %s}' % HUGE, "forward_sleep_time"),
         ]
         for path, body, field in poisons:
             r = served.post(path, content=body)
@@ -307,7 +324,7 @@ def test_idle_connections_beyond_the_file_limit_leave_health_answering(model_dir
 def test_health_proves_the_key_and_malformed_keys_get_401(served):
     nonce = "a1b2c3"
     r = httpx.get(served.url + "/health", headers={CHALLENGE_HEADER: nonce}, trust_env=False)
-    assert r.status_code == 200 and r.headers[PROOF_HEADER] == proof(KEY, nonce)
+    assert r.status_code == 200 and r.headers[PROOF_HEADER] == proof(KEY, nonce, served.port)
     assert PROOF_HEADER not in httpx.get(served.url + "/health", trust_env=False).headers
     for header in (b"Bearer \xff\xfe\xfd", b"Basic " + KEY.encode(), KEY.encode(), b"Bearer"):
         with socket.create_connection(("127.0.0.1", served.port), timeout=30) as s:
@@ -354,11 +371,35 @@ def test_symlinked_weight_folders_and_files_are_refused(served, weights_root, ch
     files = weights_root / "files"
     files.mkdir()
     (files / "model.safetensors").symlink_to(outside / "model.safetensors")
-    for folder in ("linked", "files"):
+    # a linked folder resolves outside the root (the early check); a linked file is refused when opened
+    for folder, why in (("linked", "only from below"), ("files", "symbolic link")):
         r = served.post("/update_weights_from_disk", {"model_path": str(weights_root / folder)})
         assert r.status_code == 403, r.text
-        assert "symbolic link" in r.json()["message"] or "only from below" in r.json()["message"], r.text
+        assert why in r.json()["message"], r.text
     assert greedy_logprobs(served) == before
+
+
+def test_a_fifo_named_like_weights_is_refused_at_once(served, weights_root):
+    """A FIFO is opened without blocking (no writer ever comes): a 400 that says it is not a regular file,
+    and the update lock is free again (the next generation runs)."""
+    folder = weights_root / "fifo"
+    folder.mkdir()
+    os.mkfifo(folder / "model.safetensors")
+    before = greedy_logprobs(served)
+    r = served.post("/update_weights_from_disk", {"model_path": str(folder)}, timeout=60)
+    assert r.status_code == 400 and "not a regular file" in r.json()["message"], r.text
+    assert greedy_logprobs(served) == before
+
+
+def test_only_a_refusal_is_a_403(served, weights_root, tmp_path):
+    """A folder that does not exist, or is a file, is a failed update (400 saying why), not a refusal."""
+    missing = served.post("/update_weights_from_disk", {"model_path": str(weights_root / "missing")})
+    assert missing.status_code == 400, missing.text
+    assert "no *.safetensors weights in" in missing.json()["message"], missing.text
+    (weights_root / "plain").write_text("not a folder")
+    plain = served.post("/update_weights_from_disk", {"model_path": str(weights_root / "plain")})
+    assert plain.status_code == 400, plain.text
+    assert "Not a directory" in plain.json()["message"], plain.text
 
 
 def test_a_folder_swapped_for_a_symlink_after_the_check_is_refused(served, weights_root, char_tok, tmp_path):

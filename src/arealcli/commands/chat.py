@@ -8,8 +8,7 @@ from typing import Annotated
 
 import typer
 
-from arealcli.commands.common import console, err_console, fail, flag, say_error
-from arealcli.commands.serve import Device, Dtype
+from arealcli.commands.common import Device, Dtype, console, err_console, fail, flag, say_error
 from arealcli.errors import UserError
 
 Target = Annotated[

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,22 @@ from arealcli.schema.validate import RecipeUnusable, load_valid_recipe
 # User text (recipe values, file names) is printed literally: no markup, no emoji codes (`:100:`).
 console = Console(emoji=False, highlight=False)
 err_console = Console(stderr=True, emoji=False, highlight=False, soft_wrap=True)
+
+
+class Device(str, Enum):
+    """Where a local model runs (`--device`)."""
+
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(str, Enum):
+    """A local model's weights and compute dtype (`--dtype`)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
 
 
 def say(line: str, out: Console = console) -> None:

@@ -11,8 +11,7 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from arealcli.commands.common import console, err_console, fail, say_error
-from arealcli.commands.serve import Device
+from arealcli.commands.common import Device, console, err_console, fail, say_error
 from arealcli.errors import UserError
 
 

@@ -3,28 +3,14 @@ OpenAI's (/v1/completions, /v1/chat/completions, /v1/models)."""
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from arealcli.commands.common import console, fail
+from arealcli.commands.common import Device, Dtype, fail, say
 from arealcli.errors import UserError
 from arealcli.runtime.wire.auth import ADMIN_KEY_ENV, API_KEY_ENV
-
-
-class Device(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Dtype(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
 
 Model = Annotated[
     Path,
@@ -129,10 +115,13 @@ def serve(
     areal serve --model runs/quickstart/checkpoints/step_00000250/actor --port 0
     areal serve --model /models/Qwen2.5-0.5B --device cuda --dtype bfloat16
     """
-    given = {**locals(), "device": device.value, "dtype": dtype.value}  # the parameters, first
     from arealcli.runtime.serve import start
 
-    flags = start.ServeFlags(**given)
+    flags = start.ServeFlags(  # the parameters above, in their order
+        model, host, port, device.value, dtype.value, batch_window_ms, max_batch_size, max_n, max_body_mb,
+        max_connections, max_requests, api_key, admin_key, allow_unauthenticated, weight_version,
+        num_threads, log_requests,
+    )  # fmt: skip
     try:
         start.refuse(flags)
         server = start.server(flags)  # bound, its model loaded
@@ -140,13 +129,10 @@ def serve(
         raise fail(e.lines if isinstance(e, UserError) else [str(e)]) from None
 
     def ready(h: str, p: int) -> None:
-        console.print(
-            f"serving {model} at http://{h}:{p} (SGLang native protocol; OpenAI-compatible under /v1)",
-            highlight=False,
-        )
-        console.print(start.keys_line(api_key, admin_key), highlight=False)
+        say(f"serving {model} at http://{h}:{p} (SGLang native protocol; OpenAI-compatible under /v1)")
+        say(start.keys_line(api_key, admin_key))
 
     try:
-        start.serve_forever(server, ready)
+        server.serve_forever(ready)
     except KeyboardInterrupt:
-        console.print("stopped")
+        say("stopped")

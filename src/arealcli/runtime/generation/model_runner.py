@@ -241,16 +241,23 @@ def read_weights(path: str, root: str | None = None) -> dict[str, torch.Tensor]:
     link (O_NOFOLLOW), and the opened folder's real location (the kernel's, /proc/self/fd) must lie below
     `root`'s: swapping the folder or a file for a link, before or after any check, cannot make the server
     read from elsewhere. Without `root` (a server not confined) links are followed (e.g. a Hugging Face
-    cache snapshot, whose files are links)."""
+    cache snapshot, whose files are links).
+
+    Refusals (confined only) raise WeightsRefused; a folder that does not exist, or has no weights,
+    FileNotFoundError; any other failure to open an OSError that says why (its strerror)."""
     nofollow = os.O_NOFOLLOW if root is not None else 0
     try:
         folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow)
     except OSError as e:
-        if e.errno == errno.ELOOP or (root is not None and e.errno == errno.ENOTDIR and os.path.islink(path)):
+        if root is not None and (
+            e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and os.path.islink(path))
+        ):
             raise WeightsRefused(
                 f"{path} is a symbolic link: this server loads no weights through links"
             ) from None
-        raise FileNotFoundError(f"no *.safetensors weights in {path}") from None
+        if e.errno == errno.ENOENT:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}: it does not exist") from None
+        raise OSError(f"cannot open the weight folder {path}: {e.strerror}") from None
     try:
         if root is not None:
             where = os.readlink(f"/proc/self/fd/{folder}")
@@ -270,17 +277,19 @@ def read_weights(path: str, root: str | None = None) -> dict[str, torch.Tensor]:
 
 
 def _read_file(folder: int, name: str, path: str, nofollow: int) -> dict[str, torch.Tensor]:
-    """The tensors of file `name` of the open folder `folder`, read through one open file."""
+    """The tensors of file `name` of the open folder `folder`, read through one open file. Opened without
+    blocking (O_NONBLOCK: no effect on a regular file), so that a FIFO named like weights is refused at
+    once rather than holding the update lock forever waiting for a writer."""
     from safetensors.torch import load, load_file
 
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | nofollow, dir_fd=folder)
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | nofollow, dir_fd=folder)
     except OSError as e:
-        if e.errno == errno.ELOOP:
+        if nofollow and e.errno == errno.ELOOP:
             raise WeightsRefused(
                 f"{path}/{name} is a symbolic link: this server loads no weights through links"
             ) from None
-        raise
+        raise OSError(f"cannot open {path}/{name}: {e.strerror}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"{path}/{name} is not a regular file")

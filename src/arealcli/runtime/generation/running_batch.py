@@ -41,7 +41,10 @@ class Row:
 
 @dataclass
 class _Group:
-    rows: torch.Tensor | None  # row indices (None: every row)
+    """Rows that share their sampling params (and so their stop tokens): sampled in one call, failed
+    together."""
+
+    rows: torch.Tensor | None  # row indices, made once per grouping (None: every row)
     members: list[int]
     stop: torch.Tensor | None  # (S,) stop token ids
     params: Any  # GenerationHyperparameters of `sampling.sample`
@@ -67,8 +70,10 @@ class RunningBatch:
 
     def add(self, seqs: list[Sequence]) -> list[tuple[Sequence, str]]:
         """Prefill `seqs` (each with max_new_tokens >= 1) into new rows: one forward pass. Returns the
-        samples that could not join, with why: a prefill that fails is tried again sample by sample, and
-        only the samples that fail alone are left out (the rest of the batch goes on)."""
+        samples that could not join, with why: those whose row cannot be made, or all of them when the
+        prefill fails (the running rows go on, unless the cache no longer matches them). A prefill is not
+        retried sample by sample: the server has checked every prompt (length, token ids), so what fails
+        it is the device (memory), not one sample."""
         failed: list[tuple[Sequence, str]] = []
         rows: list[Row] = []
         for s in seqs:
@@ -82,14 +87,7 @@ class RunningBatch:
             self._prefill(rows)
         except Exception as e:
             self._check_consistent()
-            if len(rows) == 1:
-                return [*failed, (rows[0].seq, _why(e))]
-            for row in rows:
-                try:
-                    self._prefill([row])
-                except Exception as e1:
-                    self._check_consistent()
-                    failed.append((row.seq, _why(e1)))
+            failed += [(row.seq, _why(e)) for row in rows]
         return failed
 
     def _row(self, s: Sequence) -> Row:
@@ -144,8 +142,8 @@ class RunningBatch:
 
     def sample(self) -> tuple[list[tuple[Row, dict[str, Any]]], list[tuple[Row, str]]]:
         """Sample every row's next token; the rows that finished with it, with their finish, and the rows
-        that failed, with why (both removed). A failure while sampling fails only the rows it concerns: a
-        group that fails is sampled again row by row, and only the rows that fail alone are failed."""
+        that failed, with why (both removed). A failure while sampling fails its group only: the group's
+        rows share the params and stop tokens that could make it fail."""
         assert self.logits is not None and len(self.logits) == len(self.rows)
         B = len(self.rows)
         tokens = torch.zeros(B, dtype=torch.long, device=self.logits.device)
@@ -157,16 +155,9 @@ class RunningBatch:
                 failed.update(dict.fromkeys(g.members, g.error))
                 continue
             try:
-                self._sample_rows(g, g.members, tokens, logps, tops)
+                self._sample_group(g, tokens, logps, tops)
             except Exception as e:
-                if len(g.members) == 1:
-                    failed[g.members[0]] = _why(e)
-                    continue
-                for i in g.members:  # which row is it?
-                    try:
-                        self._sample_rows(g, [i], tokens, logps, tops)
-                    except Exception as e1:
-                        failed[i] = _why(e1)
+                failed.update(dict.fromkeys(g.members, _why(e)))
         self.logits = None
         return self._advance(tokens, logps, tops, failed)
 
@@ -206,30 +197,28 @@ class RunningBatch:
         self.tokens = tokens
         return finished, failures
 
-    def _sample_rows(
+    def _sample_group(
         self,
         g: _Group,
-        members: list[int],
         tokens: torch.Tensor,
         logps: torch.Tensor,
         tops: dict[int, list[tuple[int, float]]],
     ) -> None:
-        """Sample the next token of rows `members` (of group `g`) into `tokens` and `logps`, their top
-        alternatives into `tops`; nothing is written when it fails."""
+        """Sample the next token of group `g`'s rows into `tokens` and `logps`, their top alternatives into
+        `tops`; nothing is written when it fails."""
         assert self.logits is not None and g.stop is not None
-        whole = members is g.members and g.rows is None
-        index = torch.tensor(members, device=self.logits.device)
-        logits = (self.logits if whole else self.logits[index]).float()
+        members = g.members
+        logits = (self.logits if g.rows is None else self.logits[g.rows]).float()
         early = [j for j, i in enumerate(members) if len(self.rows[i].ids) < self.rows[i].min_new]
         if early and len(g.stop):  # min_new_tokens: no stop token yet
             logits[torch.tensor(early, device=logits.device)[:, None], g.stop[None, :]] = float("-inf")
         tok, lp = generation.sample(logits, g.params)
         found = self._top(members, logits, g.params)
-        if whole:
+        if g.rows is None:
             tokens.copy_(tok)
             logps.copy_(lp.float())
         else:
-            tokens[index], logps[index] = tok, lp.float()
+            tokens[g.rows], logps[g.rows] = tok, lp.float()
         tops.update(found)
 
     def _top(

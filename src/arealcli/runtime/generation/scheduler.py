@@ -35,6 +35,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 
+from arealcli.runtime.generation.model_runner import WeightsRefused
 from arealcli.runtime.generation.running_batch import RunningBatch
 from arealcli.runtime.generation.sequence import Sequence
 from arealcli.runtime.wire.sglang import Sampling, finish_abort, finish_length, finish_stop
@@ -66,7 +67,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._abort_epoch = 0  # bumped by abort_all; a batch stops when it changes
         self._abort_message = "Aborted"
-        self._updating = 0  # weight updates waiting or running: no batch may start
+        self._updating = 0  # weight updates asked for and not done (`updates_waiting`): no batch may start
         self._running = False
         self._stopped = False
         self._update_lock = threading.Lock()
@@ -140,41 +141,43 @@ class Scheduler:
 
     @property
     def updates_waiting(self) -> int:
-        """Weight updates waiting for the running batch, or loading."""
+        """Weight updates asked for and not done: waiting for the update lock (another update, a scoring
+        pass), for the running samples, or loading. No batch starts while there is one."""
         return self._updating
 
     def update_weights(
         self, path: str, version: str | None, abort: bool, root: str | None = None
     ) -> tuple[bool, str]:
-        """Load the weights in folder `path` once the running samples are done (or aborted, with `abort`).
-        With `root`, the runner opens the folder once, here under the update lock, and loads it only if it
-        lies below `root` and neither it nor its files are symbolic links (a PermissionError otherwise)."""
-        with self._update_lock:
-            if abort:
-                self.abort_all("Aborted by a weight update")
-            with self._cv:
-                self._updating += 1
-                while self._running:
-                    self._cv.wait()
-            try:
-                if root is None:
-                    self.runner.load_weights(path)
-                else:
+        """Load the weights in folder `path` once the running samples are done (or aborted, with `abort`):
+        (True, what changed), or (False, why) when they cannot be loaded (the weights untouched). With
+        `root`, the runner opens the folder once, here under the update lock, and loads it only if it lies
+        below `root` and neither it nor its files are symbolic links: WeightsRefused otherwise (a policy
+        refusal, raised for the server to answer 403; only a confined load can be refused)."""
+        with self._cv:
+            self._updating += 1
+        try:
+            with self._update_lock:
+                if abort:
+                    self.abort_all("Aborted by a weight update")
+                with self._cv:
+                    while self._running:
+                        self._cv.wait()
+                try:
                     self.runner.load_weights(path, root=root)
+                except WeightsRefused:
+                    raise
+                except Exception as e:
+                    return False, f"Failed to update weights: {e}"
                 if version is not None:  # before any batch can start with the new weights
                     self.weight_version = version
-            except PermissionError:  # refused (outside `root`, a symbolic link): weights untouched
-                raise
-            except Exception as e:  # reported to the caller: success false, weights untouched
-                return False, f"Failed to update weights: {e}"
-            finally:
-                with self._cv:
-                    self._updating -= 1
-                    self._cv.notify_all()
-            message = "Succeeded to update model weights."
-            if version is not None:
-                message += f" Weight version updated to {version}."
-            return True, message
+        finally:
+            with self._cv:
+                self._updating -= 1
+                self._cv.notify_all()
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return True, message
 
     # ------------------------------------------------------------------ the loop
 
@@ -302,7 +305,7 @@ class Scheduler:
             else:
                 join.append(s)
         if join:
-            for s, why in batch.add(join):  # only the samples that failed alone
+            for s, why in batch.add(join):  # the samples that could not join
                 logger.warning("sample %s failed: %s", s.rid, why)
                 s.fail(why)
             self.stats["batches"] += 1

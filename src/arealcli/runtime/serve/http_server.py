@@ -14,10 +14,10 @@
 One event-loop thread serves every connection (no thread per connection: on a busy CPU, handing requests
 between many threads costs more than generating) and does the per-request work: JSON, tokenizing,
 detokenizing, responses. Work that grows with a request's size is done off the loop, so /health keeps
-answering: bodies over 64 KiB are parsed (and their depth checked) in a worker thread, long texts and chat
-templates are tokenized in the tokenizer's thread. The scheduler's thread only runs the model and sampling
-(continuous batching: requests join the running batch between decoding steps), and wakes the waiting
-requests through the loop.
+answering: bodies over 64 KiB are parsed, and their depth and fields checked, in one worker-thread call;
+long texts and chat templates are tokenized in the tokenizer's thread. The scheduler's thread only runs
+the model and sampling (continuous batching: requests join the running batch between decoding steps),
+and wakes the waiting requests through the loop.
 
 No request can hurt another: every field is checked when the request is parsed (finite numbers only:
 NaN and Infinity are refused, as JSON has neither; token ids within the vocabulary; integers bounded) and
@@ -50,13 +50,12 @@ import socket
 import time
 import traceback
 import uuid
-from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 
-from arealcli.runtime.generation.model_runner import ModelRunner
+from arealcli.runtime.generation.model_runner import ModelRunner, WeightsRefused
 from arealcli.runtime.generation.sampling import StopTexts
 from arealcli.runtime.generation.scheduler import Scheduler, Sequence
 from arealcli.runtime.wire.auth import CHALLENGE_HEADER, PROOF_HEADER, key_of, proof
@@ -77,7 +76,15 @@ from arealcli.runtime.wire.openai import (
     streamable,
     usage,
 )
-from arealcli.runtime.wire.sglang import ProtocolError, Sampling, generate_response, parse_generate, shown
+from arealcli.runtime.wire.sglang import (
+    GenerateRequest,
+    ProtocolError,
+    Sampling,
+    finite,
+    generate_response,
+    parse_generate,
+    shown,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +93,14 @@ MIN_TEXT_CHARS = 1 << 16  # ... but texts up to this long are always tokenized (
 INLINE_CHARS = 4096  # texts up to this long are tokenized on the event loop (a thread hop costs more)
 MAX_SLOW_DOWN_S = 10.0  # /slow_down's longest sleep per decoding step
 INLINE_BODY_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop (a thread hop costs more)
-_LARGE_BODY: ContextVar[bool] = ContextVar("large_body", default=False)  # the request's body is larger
 
 
 class GenerationService:
-    """The endpoints, as methods: body (parsed JSON) -> (status, JSON payload, or text when a str)."""
+    """The endpoints, as methods: body (parsed JSON; for an endpoint in PARSERS, the request its parser
+    made of it) -> (status, JSON payload, or text when a str)."""
+
+    # endpoint -> the parser of its body's fields, run with the JSON parse (see `read_body`)
+    PARSERS: ClassVar[dict[str, Any]] = {"generate": parse_generate, "completions": parse_completion_request}
 
     def __init__(
         self, runner: ModelRunner, scheduler: Scheduler, max_n: int = 64, weights_dir: str | None = None
@@ -124,14 +134,13 @@ class GenerationService:
             return self.runner.encode(text)
         return await self._off_loop(self.runner.encode, text)
 
+    def close(self) -> None:
+        """Stop the tokenizer's thread (the server stops): tokenizing queued meanwhile is cancelled."""
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
     async def _off_loop(self, fn, *args):
         """fn(*args) in the tokenizer's thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
-
-    @staticmethod
-    async def _parse(parse, *args):
-        """parse(*args): for a large body (its checks walk every token id) in a worker thread."""
-        return await asyncio.to_thread(parse, *args) if _LARGE_BODY.get() else parse(*args)
 
     def _check_ids(self, sampling: Sampling, field: str) -> None:
         """Token ids of the sampling params must be in the served vocabulary."""
@@ -141,9 +150,8 @@ class GenerationService:
                 f"{field}: token id {bad[0]} is out of the vocabulary (size {self.runner.vocab_size})"
             )
 
-    async def generate(self, body: Any) -> tuple[int, Any]:
+    async def generate(self, req: GenerateRequest) -> tuple[int, Any]:
         t0 = time.perf_counter()
-        req = await self._parse(parse_generate, body)
         self._check_size(len(req.prompts), req.sampling[0].n)
         r = self.runner
         per_prompt: list[list[Sequence]] = []
@@ -505,8 +513,8 @@ class GenerationService:
         st.offset += sum(len(t) for t in part.texts)
         return out
 
-    async def completions(self, body: Any) -> tuple[int, Any]:
-        return await self._openai(await self._parse(parse_completion_request, body))
+    async def completions(self, req: OpenAIRequest) -> tuple[int, Any]:
+        return await self._openai(req)
 
     async def chat_completions(self, body: Any) -> tuple[int, Any]:
         tok = self.runner.tokenizer
@@ -539,7 +547,7 @@ class GenerationService:
                 bool(body.get("abort_all_requests")),
                 root=self.weights_dir,
             )
-        except PermissionError as e:
+        except WeightsRefused as e:  # outside the weights folder, or a symbolic link: policy, not failure
             return 403, {"success": False, "message": str(e), "num_paused_requests": 0}
         if ok:
             self.served_model_name = body["model_path"]  # SGLang moves the served name with the weights
@@ -554,16 +562,11 @@ class GenerationService:
     async def slow_down(self, body: Any) -> tuple[int, Any]:
         """SGLang's test hook: sleep `forward_sleep_time` seconds before every decode step (null = off)."""
         sleep = body.get("forward_sleep_time") if isinstance(body, dict) else None
-        if sleep is not None and (
-            isinstance(sleep, bool)
-            or not isinstance(sleep, int | float)
-            or not (math.isfinite(sleep) and 0 <= sleep <= MAX_SLOW_DOWN_S)
-        ):
-            raise ProtocolError(
-                f"forward_sleep_time must be a number of seconds in [0, {MAX_SLOW_DOWN_S:g}] or null "
-                f"(got {shown(sleep)})"
-            )
-        self.scheduler.forward_sleep_s = float(sleep or 0.0)
+        refusal = f"forward_sleep_time must be a number of seconds in [0, {MAX_SLOW_DOWN_S:g}] or null"
+        seconds = 0.0 if sleep is None else finite(sleep, refusal)
+        if not 0 <= seconds <= MAX_SLOW_DOWN_S:
+            raise ProtocolError(f"{refusal} (got {shown(sleep)})")
+        self.scheduler.forward_sleep_s = seconds
         return 200, None
 
     async def health(self, body: Any) -> tuple[int, Any]:
@@ -789,6 +792,12 @@ def parse_body(raw: bytes) -> Any:
     return body
 
 
+def read_body(raw: bytes, parse) -> Any:
+    """A request body's JSON (`parse_body`), and the request `parse` (if any) makes of it."""
+    body = parse_body(raw)
+    return body if parse is None else parse(body)
+
+
 # Endpoints that change what the server does for everyone: the admin key (when set) guards them.
 CONTROL = {"update_weights_from_disk", "abort_request", "slow_down", "flush_cache"}
 OPEN = {"health"}  # answered without a key (liveness probes)
@@ -829,12 +838,21 @@ class Keys:
             return None
         return 401, "a valid API key is required: Authorization: Bearer KEY"
 
-    def proof_headers(self, nonce: str | None) -> dict[str, str] | None:
-        """The header that answers a /health challenge: proof(API key, nonce); none without a key (or a
-        challenge that is too long, or not text)."""
-        if self.api is None or nonce is None or len(nonce) > MAX_NONCE or _utf8(nonce) is None:
+    def proof_headers(self, nonce: str | None, port: int | None) -> dict[str, str] | None:
+        """The header that answers a /health challenge: proof(API key, nonce, port), `port` the one the
+        request came in on (so that another server of the run cannot relay it); none without a key (or a
+        port, or with a challenge that is too long, or not text)."""
+        if self.api is None or nonce is None or port is None:
             return None
-        return {PROOF_HEADER: proof(self.api, nonce)}
+        if len(nonce) > MAX_NONCE or _utf8(nonce) is None:
+            return None
+        return {PROOF_HEADER: proof(self.api, nonce, port)}
+
+
+def _listening_port(request: web.Request) -> int | None:
+    """The port of the socket `request` came in on (this server's own), None when it is unknown."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    return sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
 
 
 class Throttled:
@@ -862,6 +880,7 @@ class _Conn:
     last: float  # when its last request ended (or it opened)
     busy: int = 0  # requests being handled
     started: int = 0  # requests started
+    connecting: bool = True  # counted before it connects (ConnectionGuard.opened)
 
 
 class ConnectionGuard:
@@ -877,8 +896,19 @@ class ConnectionGuard:
         self._freed: asyncio.Event | None = None
 
     def opened(self, handler: Any) -> None:
+        """Count `handler`'s connection, from before it connects (then `connected`, or `forget`)."""
         now = time.monotonic()
         self.conns[handler] = _Conn(now, now)
+
+    def connected(self, handler: Any) -> None:
+        """`handler` is connected: once its transport is gone, it is forgotten (`_prune`)."""
+        c = self.conns.get(handler)
+        if c is not None:
+            c.connecting = False
+
+    def forget(self, handler: Any) -> None:
+        """`handler` never connected."""
+        self.conns.pop(handler, None)
 
     def begin(self, handler: Any) -> None:
         c = self.conns.get(handler)
@@ -895,8 +925,8 @@ class ConnectionGuard:
             self._freed.set()
 
     def _prune(self) -> None:
-        """Forget the connections that are gone."""
-        gone = [h for h in self.conns if h.transport is None]
+        """Forget the connections that are gone (not those still connecting: no transport yet either)."""
+        gone = [h for h, c in self.conns.items() if h.transport is None and not c.connecting]
         for h in gone:
             del self.conns[h]
 
@@ -958,13 +988,15 @@ async def _accept_one(sock: socket.socket, factory, guard: ConnectionGuard) -> N
     except (ConnectionAbortedError, InterruptedError):
         return
     handler = factory()
+    guard.opened(handler)  # before it connects: its first request may begin at once
     try:
         conn.setblocking(False)
         await loop.connect_accepted_socket(lambda: handler, conn)
     except OSError:
+        guard.forget(handler)
         conn.close()
         return
-    guard.opened(handler)
+    guard.connected(handler)
 
 
 def connection_cap(wanted: int, reserve: int = 16) -> int:
@@ -1007,7 +1039,7 @@ def make_app(
     in_flight = [0]
 
     def route(name: str):
-        method = getattr(service, name)
+        method, parse = getattr(service, name), service.PARSERS.get(name)
         counted = name not in OPEN and name not in CONTROL
 
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -1017,7 +1049,8 @@ def make_app(
                 return _error(*refused)
             if name in OPEN:
                 status, payload = await method({})
-                return _respond(status, payload, keys.proof_headers(request.headers.get(CHALLENGE_HEADER)))
+                challenge = request.headers.get(CHALLENGE_HEADER)
+                return _respond(status, payload, keys.proof_headers(challenge, _listening_port(request)))
             if counted and in_flight[0] >= max_requests:
                 return _error(
                     429,
@@ -1026,13 +1059,13 @@ def make_app(
                 )
             in_flight[0] += counted
             try:
-                return await answer(request, method)
+                return await answer(request, method, parse)
             finally:
                 in_flight[0] -= counted
 
         return handle
 
-    async def answer(request: web.Request, method) -> web.StreamResponse:
+    async def answer(request: web.Request, method, parse) -> web.StreamResponse:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -1041,9 +1074,10 @@ def make_app(
                 f"the body is larger than this server's limit of {max_body_mb} MiB (areal serve --max-body-mb)",
             )
         try:
-            large = len(raw) > INLINE_BODY_BYTES
-            body = await asyncio.to_thread(parse_body, raw) if large else parse_body(raw)
-            _LARGE_BODY.set(large)  # this request's task only: its fields are checked off the loop too
+            if len(raw) > INLINE_BODY_BYTES:  # its checks walk every token id: off the loop, in one hop
+                body = await asyncio.to_thread(read_body, raw, parse)
+            else:
+                body = read_body(raw, parse)
             status, payload = await method(body)
             if isinstance(payload, EventStream):  # streamed (OpenAI's stream: true)
                 return await payload.send(request)
@@ -1120,8 +1154,10 @@ class GenerationServer:
             for task in (accepting, sweeping):
                 task.cancel()
             await runner.cleanup()
+            self.service.close()
 
     def serve_forever(self, on_ready=None) -> None:
+        """Answer requests until Ctrl-C (KeyboardInterrupt); `on_ready(host, port)` once listening."""
         try:
             asyncio.run(self._serve(on_ready))
         finally:
@@ -1184,10 +1220,6 @@ def make_server(
         max_connections,
         max_requests,
     )
-
-
-def serve_forever(server: GenerationServer, on_ready=None) -> None:
-    server.serve_forever(on_ready)
 
 
 # Fault injection for the fault-matrix tests: `AREALCLI_FAULT_DIE_ON_UPDATE=N:MARKER` makes the server kill

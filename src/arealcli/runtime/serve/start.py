@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from arealcli.errors import UserError
+from arealcli.runtime.serve.chat import is_loopback_host
 from arealcli.runtime.wire.auth import WEIGHTS_DIR_ENV
 
 
@@ -41,7 +42,7 @@ def refuse(f: ServeFlags) -> None:
         raise UserError(f"--model {f.model}: not a Hugging Face model directory (no config.json)")
     if f.admin_key is not None and f.api_key is None:
         raise UserError("--admin-key needs --api-key (or AREAL_API_KEY): the other endpoints would be open")
-    if f.api_key is None and not f.allow_unauthenticated and not loopback(f.host):
+    if f.api_key is None and not f.allow_unauthenticated and not is_loopback_host(f.host):
         raise UserError(
             f"--host {f.host}: other machines can reach this address, and the server has no key. Set "
             "AREAL_API_KEY (or --api-key), or pass --allow-unauthenticated to serve without one"
@@ -59,20 +60,20 @@ def server(f: ServeFlags):
         torch.set_num_threads(f.num_threads)
     return make_server(
         str(f.model.resolve()),
-        f.host,
-        f.port,
-        f.device,
-        f.dtype,
-        f.batch_window_ms,
-        f.max_batch_size,
-        f.weight_version,
-        f.log_requests,
-        f.max_n,
-        f.max_body_mb,
-        Keys(f.api_key, f.admin_key),
-        os.environ.get(WEIGHTS_DIR_ENV),  # set for the servers a run launches
-        f.max_connections,
-        f.max_requests,
+        host=f.host,
+        port=f.port,
+        device=f.device,
+        dtype=f.dtype,
+        batch_window_ms=f.batch_window_ms,
+        max_batch_size=f.max_batch_size,
+        weight_version=f.weight_version,
+        log_requests=f.log_requests,
+        max_n=f.max_n,
+        max_body_mb=f.max_body_mb,
+        keys=Keys(f.api_key, f.admin_key),
+        weights_dir=os.environ.get(WEIGHTS_DIR_ENV),  # set for the servers a run launches
+        max_connections=f.max_connections,
+        max_requests=f.max_requests,
     )
 
 
@@ -86,21 +87,3 @@ def keys_line(api_key: str | None, admin_key: str | None) -> str:
         "keyed: every endpoint but /health needs the API key (AREAL_API_KEY); weight updates, abort, "
         "slow_down and flush_cache need the admin key (AREAL_ADMIN_KEY or --admin-key)"
     )
-
-
-def loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def serve_forever(server, ready) -> None:
-    """Answer requests until Ctrl-C (KeyboardInterrupt); `ready(host, port)` once listening."""
-    from arealcli.runtime.serve.http_server import serve_forever as forever
-
-    forever(server, ready)

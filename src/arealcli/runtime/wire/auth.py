@@ -7,6 +7,7 @@ API_KEY_ENV = "AREAL_API_KEY"  # `areal serve`'s key (and our SGLang wrapper's);
 ADMIN_KEY_ENV = "AREAL_ADMIN_KEY"  # `areal serve`'s key of the control endpoints
 WEIGHTS_DIR_ENV = "AREAL_WEIGHTS_DIR"  # set for launched servers: the only folder weight updates load from
 VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own
+CLUSTER_KEY_ENV = "AREALCLI_CLUSTER_KEY"  # the key of the servers a cluster launcher started (fresh per job)
 
 
 def fresh_key() -> str:
@@ -28,8 +29,9 @@ def key_of(header: str | None) -> str | None:
 
 # A launched server proves it holds the run's key before the launcher sends that key anywhere: the
 # launcher asks `GET /health` with a fresh nonce in CHALLENGE_HEADER (no key), and the server answers
-# with proof(key, nonce) in PROOF_HEADER. A process squatting the port does not know the key, so it
-# cannot answer, and the key is never sent to it.
+# with proof(key, nonce, port) in PROOF_HEADER, `port` the one it listens on. A process squatting the
+# port does not know the key, so it cannot answer, and the key is never sent to it; nor can it relay the
+# challenge to another server of the run (they all hold the same key): that one's proof names its own port.
 CHALLENGE_HEADER = "X-Areal-Challenge"
 PROOF_HEADER = "X-Areal-Proof"
 
@@ -41,16 +43,17 @@ def fresh_nonce() -> str:
     return secrets.token_hex(16)
 
 
-def proof(key: str, nonce: str) -> str:
-    """HMAC-SHA256 of `nonce` under `key`, hex: what a server that holds `key` answers to `nonce`."""
+def proof(key: str, nonce: str, port: int | str) -> str:
+    """HMAC-SHA256 of `NONCE|PORT` under `key`, hex: what a server that holds `key` and listens on `port`
+    answers to `nonce`."""
     import hashlib
     import hmac
 
-    return hmac.new(key.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key.encode(), f"{nonce}|{int(port)}".encode(), hashlib.sha256).hexdigest()
 
 
-def proves(key: str, nonce: str, answer: str | None) -> bool:
-    """Whether `answer` is the proof of `key` for `nonce` (constant-time)."""
+def proves(key: str, nonce: str, port: int | str, answer: str | None) -> bool:
+    """Whether `answer` is the proof of `key` for `nonce` from a server on `port` (constant-time)."""
     import hmac
 
-    return answer is not None and hmac.compare_digest(answer.encode(), proof(key, nonce).encode())
+    return answer is not None and hmac.compare_digest(answer.encode(), proof(key, nonce, port).encode())

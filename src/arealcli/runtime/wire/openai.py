@@ -58,7 +58,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from arealcli.runtime.wire.sglang import MAX_INT, MAX_TOKENS, ProtocolError, Sampling, shown, token_ids
+from arealcli.runtime.wire.sglang import (
+    MAX_INT,
+    MAX_TOKENS,
+    ProtocolError,
+    Sampling,
+    finite,
+    shown,
+    token_ids,
+)
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token (vLLM's default limit)
 
@@ -130,9 +138,11 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and lo <= v <= hi):
-        raise ProtocolError(f"{key} must be a number in [{lo:g}, {hi:g}] (got {shown(v)})")
-    return float(v)
+    refusal = f"{key} must be a number in [{lo:g}, {hi:g}]"
+    number = finite(v, refusal)
+    if not lo <= number <= hi:
+        raise ProtocolError(f"{refusal} (got {shown(v)})")
+    return number
 
 
 @overload
@@ -427,7 +437,6 @@ def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("messages must be a non-empty list of {role, content}")
     tools, parallel = parse_tools(body, template)
-    prompt = render([chat_message(m, i) for i, m in enumerate(messages)], tools)
     top = _top(body, "top_logprobs")
     logprobs = _flag(body, "logprobs")
     if top and not logprobs:
@@ -436,9 +445,12 @@ def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest
     max_tokens = _integer(body, "max_tokens", None, 0, MAX_TOKENS) if max_tokens is None else max_tokens
     stops = _stops(body)
     stream, usage = _stream(body)
+    sampling = _sampling(body, max_tokens, stops)
+    # rendered last: a request with a bad field is refused before the template's work
+    prompt = render([chat_message(m, i) for i, m in enumerate(messages)], tools)
     return OpenAIRequest(
         [prompt],
-        _sampling(body, max_tokens, stops),
+        sampling,
         logprobs,
         True,
         *stops,

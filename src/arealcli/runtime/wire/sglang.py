@@ -123,11 +123,22 @@ def _int(raw: dict, key: str, default: int, minimum: int, maximum: int = MAX_INT
 
 def _float(raw: dict, key: str, default: float) -> float:
     v = raw.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise ProtocolError(f"sampling_params.{key} must be a finite number (got {shown(v)})")
-    return float(v)
+    return default if v is None else finite(v, f"sampling_params.{key} must be a finite number")
+
+
+def finite(value: Any, refusal: str) -> float:
+    """A JSON number as a finite float; otherwise a ProtocolError `refusal (got value)` (`refusal` names
+    the field and what it must be). Refused: booleans, non-numbers, NaN and the infinities, and integers
+    beyond a float's range (JSON integers are unbounded; converting one that large raises OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ProtocolError(f"{refusal} (got {shown(value)})")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise ProtocolError(f"{refusal} (got {shown(value)})") from None
+    if not math.isfinite(number):
+        raise ProtocolError(f"{refusal} (got {shown(value)})")
+    return number
 
 
 _SHOWN = reprlib.Repr()

@@ -9,7 +9,8 @@ answer anyone who reaches the port. KeyGuard wants `Authorization: Bearer KEY` o
 - every other path (control and development endpoints, and any path vLLM adds later) takes the admin key
   (AREAL_ADMIN_KEY; default: the API key, as for `areal serve`): 403 with the API key, 401 without a key;
 - `GET /health` with the header CHALLENGE_HEADER (a nonce) is answered with PROOF_HEADER, the HMAC-SHA256
-  of the nonce under the API key: the launcher sends the key only to a server that proves it holds it.
+  of `NONCE|PORT` under the API key (PORT: the one the server listens on, the ASGI scope's `server`): the
+  launcher sends the key only to a server that proves it holds it, on the port it was launched on.
 
 SGLang keys every path itself (`--api-key`); SGLangGuard, added to SGLang's app by guard_sglang (the
 launcher's wrapper calls it before SGLang starts), answers the same /health challenge and lets
@@ -64,9 +65,15 @@ ADMIN_UNDER_USER = frozenset(  # control endpoints under the inference prefixes
 )
 
 
-def proof(key: str, nonce: str) -> str:
-    """HMAC-SHA256 of `nonce` under `key`, hex (the same as arealcli.runtime.wire.auth.proof)."""
-    return hmac.new(key.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+def proof(key: str, nonce: str, port: int | str) -> str:
+    """HMAC-SHA256 of `NONCE|PORT` under `key`, hex (the same as arealcli.runtime.wire.auth.proof)."""
+    return hmac.new(key.encode(), f"{nonce}|{int(port)}".encode(), hashlib.sha256).hexdigest()
+
+
+def listening_port(scope) -> int | None:
+    """The port the server took this request on (the ASGI scope's `server`; None on a Unix socket)."""
+    server = scope.get("server")
+    return server[1] if isinstance(server, (list, tuple)) and len(server) == 2 and server[1] else None
 
 
 def needs(path: str) -> str | None:
@@ -118,7 +125,7 @@ class KeyGuard:
         headers = scope.get("headers") or []
         need = needs(path)
         if need is None:
-            await self.app(scope, receive, with_proof(self._proof_key, headers, send))
+            await self.app(scope, receive, with_proof(self._proof_key, scope, send))
             return
         key = bearer_digest(headers)
         if key is None or not self._matches(key, self._user):
@@ -136,12 +143,14 @@ class KeyGuard:
         return ok
 
 
-def with_proof(key: str | None, headers, send):
-    """`send`, adding PROOF_HEADER (proof of `key`) to the response when the request carries a challenge."""
-    nonce = header(headers, CHALLENGE_HEADER.lower().encode())
-    if key is None or nonce is None or not 0 < len(nonce) <= MAX_NONCE:
+def with_proof(key: str | None, scope, send):
+    """`send`, adding PROOF_HEADER (proof of `key` on the port the request came in on) to the response
+    when the request carries a challenge."""
+    nonce = header(scope.get("headers") or [], CHALLENGE_HEADER.lower().encode())
+    port = listening_port(scope)
+    if key is None or nonce is None or port is None or not 0 < len(nonce) <= MAX_NONCE:
         return send
-    answer = proof(key, nonce.decode("latin-1")).encode()
+    answer = proof(key, nonce.decode("latin-1"), port).encode()
 
     async def send_with_proof(message) -> None:
         if message["type"] == "http.response.start":
@@ -243,7 +252,7 @@ class SGLangGuard:
             return
         path = scope["path"].removeprefix(scope.get("root_path", "") or "") or "/"
         if path in OPEN_PATHS:
-            await self.app(scope, receive, with_proof(self.key, scope.get("headers") or [], send))
+            await self.app(scope, receive, with_proof(self.key, scope, send))
             return
         if self.weights_dir is not None and path.rstrip("/") == UPDATE_PATH:
             body, receive = await _buffered(receive, MAX_UPDATE_BODY)
