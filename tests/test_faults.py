@@ -145,3 +145,28 @@ def test_a_server_given_by_address_is_waited_for_and_given_the_newest_weights(mo
         assert "answers again" in event
     finally:
         launcher.stop(servers)
+
+
+def test_a_server_at_its_request_limit_is_tried_again_not_failed(model_dir, tmp_path, loop):
+    """`areal serve --max-requests N` answers 429 beyond N requests in flight: the client backs off and
+    tries again, as after a 5xx. A launched embedded server's limit is at least the client's concurrency
+    (max_concurrent_requests), so a run's own requests do not meet it; here the test lowers it to 1."""
+    from arealcli.schema.components.backends import SGLangBackendArgs
+
+    many = SGLangBackendArgs(launch="embedded", max_concurrent_requests=5000)
+    cmd = launcher.server_command(many, "model", 1, 0)
+    assert cmd[cmd.index("--max-requests") + 1] == "5000"
+    one = ["--num-threads", "1", "--max-requests", "1"]  # after ours: the last one given counts
+    args = SGLangBackendArgs(launch="embedded", device="cpu", extra_args=one)
+    servers = launcher.launch(args, str(model_dir), tmp_path, "srv")
+    try:
+        launcher.wait_ready(servers, 90)
+        address = servers[0].address
+        impatient = loop.client([address], max_retries=0, reconnect_timeout_s=0)
+        with pytest.raises(GenerationServerError, match="HTTP 429"):
+            rollout(loop, impatient)
+        patient = loop.client([address], max_retries=12, retry_backoff_s=0.05, reconnect_timeout_s=0)
+        out = rollout(loop, patient)
+        assert len(out) == 8 and all(len(group) == 2 for group in out)
+    finally:
+        launcher.stop(servers)

@@ -1,10 +1,13 @@
 """The key reaches only the server it was made for: a launched server proves it holds the run's key
-(`GET /health` with a nonce, answered with an HMAC) before the launcher or the trainer sends the key
-anywhere, so a process squatting the port never sees it; key variables of the trainer's own environment
-(a shell's AREAL_ADMIN_KEY, ...) do not reach launched servers. Real processes and real HTTP throughout."""
+(`GET /health` with a nonce, answered with an HMAC of the nonce and the server's port) before the
+launcher or the trainer sends the key anywhere, so a process squatting the port never sees it, nor can
+it relay the challenge to another server of the run; key variables of the trainer's own environment (a
+shell's AREAL_ADMIN_KEY, ...) do not reach launched servers; the client's /health probes carry no key.
+Real processes and real HTTP throughout."""
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import os
 import subprocess
@@ -17,6 +20,7 @@ import pytest
 
 from arealcli.runtime.backends.sglang import SGLangBackend
 from arealcli.runtime.clients import launcher
+from arealcli.runtime.launchers.health import wait_healthy
 from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.wire.auth import (
     ADMIN_KEY_ENV,
@@ -35,28 +39,48 @@ SHELL_KEYS = {ADMIN_KEY_ENV: "shell-admin-key", API_KEY_ENV: "shell-api-key", VL
 
 
 class Squatter:
-    """A process that took a port first: answers 200 to every GET and POST, recording what it was sent."""
+    """A process that took a port first: answers 200 to every GET and POST, recording what it was sent.
+    With `relay_to` (HOST:PORT), it forwards each request there instead (headers and body) and answers
+    with what came back, headers included (`relayed`: the answers' headers)."""
 
-    def __init__(self):
+    def __init__(self, relay_to: str | None = None):
         seen: list[tuple[str, str, dict[str, str], bytes]] = []
+        relayed: list[dict[str, str]] = []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def _answer(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 seen.append((self.command, self.path, dict(self.headers), self.rfile.read(length)))
-                body = b'{"status": "ok"}'
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+                status, headers, body = 200, {"Content-Type": "application/json"}, b'{"status": "ok"}'
+                if relay_to is not None:
+                    status, headers, body = self._relay(seen[-1])
+                    relayed.append(headers)
+                self.send_response(status)
+                for name, value in headers.items():
+                    if name.lower() not in ("content-length", "date", "server", "connection"):
+                        self.send_header(name, value)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _relay(self, request) -> tuple[int, dict[str, str], bytes]:
+                method, path, headers, body = request
+                host, port = relay_to.rsplit(":", 1)
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                try:
+                    forwarded = {k: v for k, v in headers.items() if k.lower() != "host"}
+                    conn.request(method, path, body=body or None, headers=forwarded)
+                    r = conn.getresponse()
+                    return r.status, dict(r.getheaders()), r.read()
+                finally:
+                    conn.close()
 
             do_GET = do_POST = _answer  # noqa: N815
 
             def log_message(self, *args) -> None:
                 pass
 
-        self.seen = seen
+        self.seen, self.relayed = seen, relayed
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -120,7 +144,8 @@ def test_an_impostor_is_waited_out_then_named(squatter, tmp_path):
     finally:
         launcher.stop(servers)
     message = str(err.value)
-    assert f"another process answers on port {squatter.port}" in message, message
+    assert f"something answers /health on port {squatter.port} without the proof" in message, message
+    assert "another process, or the server without its key guard" in message
     assert "the key was not sent there" in message
     assert len(squatter.seen) >= 2 and not squatter.saw(key)  # it kept asking, keyless
 
@@ -167,19 +192,42 @@ def test_a_shell_key_does_not_reach_launched_servers(monkeypatch, char_tok, tmp_
         assert fresh.proc.pid != server.proc.pid and fresh.key == backend.api_key
         nonce = "n-1"
         r = httpx.get(url + "/health", headers={CHALLENGE_HEADER: nonce}, timeout=30)
-        assert r.status_code == 200 and proves(backend.api_key, nonce, r.headers.get(PROOF_HEADER))
+        assert r.status_code == 200 and proves(
+            backend.api_key, nonce, fresh.port, r.headers.get(PROOF_HEADER)
+        )
     finally:
         backend.destroy(gen)
 
 
-def test_child_env_drops_inherited_keys_and_adds_the_runs(monkeypatch):
-    for name, value in {**SHELL_KEYS, "AREAL_WEIGHTS_DIR": "/elsewhere", "AREALCLI_CLUSTER_KEY": "c"}.items():
+def process_env(pid: int) -> dict[str, str]:
+    """The environment a running process was started with (/proc/PID/environ)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def test_a_launched_process_gets_the_runs_key_and_none_of_the_shells(monkeypatch, tmp_path):
+    """launch()'s server process (a sleeper here) starts without the trainer's key variables (AREAL_*,
+    VLLM_API_KEY, the cluster key) and with the run's key; other variables (fault injection) still reach it."""
+    for name, value in {**SHELL_KEYS, WEIGHTS_DIR_ENV: "/elsewhere", "AREALCLI_CLUSTER_KEY": "c"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("AREALCLI_FAULT_DIE_ON_UPDATE", "1")  # not a key: fault injection still reaches
-    env = launcher.child_env({VLLM_API_KEY_ENV: "run-key"})
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    (server,) = launcher.launch(
+        embedded(),
+        "unused",
+        tmp_path,
+        "gen",
+        command=lambda port, i: sleeper,
+        secrets={VLLM_API_KEY_ENV: "run-key"},
+    )
+    try:
+        env = process_env(server.proc.pid)
+    finally:
+        launcher.stop([server])
     assert env[VLLM_API_KEY_ENV] == "run-key" and env["AREALCLI_FAULT_DIE_ON_UPDATE"] == "1"
-    assert not {API_KEY_ENV, ADMIN_KEY_ENV, "AREAL_WEIGHTS_DIR", "AREALCLI_CLUSTER_KEY"} & set(env)
-    assert env["PATH"] == os.environ["PATH"]
+    assert not {API_KEY_ENV, ADMIN_KEY_ENV, WEIGHTS_DIR_ENV, "AREALCLI_CLUSTER_KEY"} & set(env)
+    assert env["PATH"] == os.environ["PATH"] and env == server.env
+    assert server.key == "run-key" and server.key_env == VLLM_API_KEY_ENV
     assert launcher.key_variable({VLLM_API_KEY_ENV: "a"}) == VLLM_API_KEY_ENV
     assert launcher.key_variable({API_KEY_ENV: "a", WEIGHTS_DIR_ENV: "/w"}) == API_KEY_ENV
     assert launcher.key_variable(None) is None
@@ -306,3 +354,79 @@ def test_the_sglang_wrapper_refuses_an_sglang_it_cannot_guard(tmp_path, monkeypa
     )
     assert out.returncode != 0 and "started unguarded" not in out.stdout
     assert "cannot import sglang.srt.entrypoints.http_server" in out.stderr, out.stderr
+
+
+# --------------------------------------------------------------------------- relays, cluster servers, probes
+
+
+def test_a_relayed_proof_from_another_server_of_the_run_is_refused(model_dir, tmp_path):
+    """Every server of a run holds the same key. A process squatting one server's port (say while that
+    server restarts) forwards the launcher's challenge to another, real, server of the run and relays its
+    answer, proof included: that proof names the other server's port, so it is refused, and the key is
+    never sent to the relay."""
+    key = fresh_key()
+    (real,) = launcher.launch(
+        embedded(), str(model_dir), tmp_path / "real", "real", secrets={API_KEY_ENV: key}
+    )
+    relay = Squatter(relay_to=real.address)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    try:
+        launcher.wait_ready([real], 120)  # the real server proves itself on its own port
+        (squatted,) = launcher.launch(
+            embedded(base_port=relay.port, startup_timeout_s=3),
+            "unused",
+            tmp_path / "squatted",
+            "gen",
+            command=lambda port, i: sleeper,
+            secrets={API_KEY_ENV: key},
+        )
+        try:
+            with pytest.raises(launcher.LaunchError) as err:
+                launcher.wait_ready([squatted], 3)
+        finally:
+            launcher.stop([squatted])
+        assert f"port {relay.port} without the proof" in str(err.value), err.value
+        assert relay.relayed and all(PROOF_HEADER in h for h in relay.relayed)  # the real server answered
+        assert not relay.saw(key)
+        assert all("authorization" not in {h.lower() for h in headers} for _, _, headers, _ in relay.seen)
+        with httpx.Client(trust_env=False, timeout=30) as client:  # the real one is still taken for itself
+            assert launcher.identify(client, real.address, key) == "ready"
+            assert launcher.identify(client, f"127.0.0.1:{relay.port}", key) == "impostor"
+    finally:
+        relay.close()
+        launcher.stop([real])
+
+
+def test_a_cluster_launcher_waits_for_the_proof_not_a_bare_200(squatter):
+    """launchers/health (the Slurm script's wait, the Ray launcher's on each node): a 200 without the proof
+    of the job's key is not a server of the job; the key is not sent there."""
+    key = fresh_key()
+    why = wait_healthy([f"127.0.0.1:{squatter.port}"], 2, key=key)
+    assert why is not None and f"port {squatter.port} without the proof" in why, why
+    assert squatter.seen and not squatter.saw(key)
+    assert all(CHALLENGE_HEADER in headers for _, _, headers, _ in squatter.seen)
+    assert wait_healthy([f"127.0.0.1:{squatter.port}"], 2) is None  # no key: a 200 is enough
+
+
+def test_health_probes_carry_no_key(squatter, loop):
+    """After a server dies, anything may take its port: the client's /health probes (while a request
+    waits, while idle, while waiting for a server to come back, and check_all's first step) carry no key."""
+    key = fresh_key()
+    client = loop.client(
+        [f"127.0.0.1:{squatter.port}"],
+        api_key=key,
+        connect_timeout_s=5,
+        reconnect_timeout_s=5,
+        health_interval_s=1,
+    )
+    s = client.servers[0]
+    loop.run(client._probe(s), timeout=30)
+    assert s.healthy_at > 0  # it answered
+    assert loop.run(client.check_all(), timeout=30) == [{"status": "ok"}]  # /get_model_info: keyed
+    client.current_update = {"model_path": "/nowhere", "weight_version": "1"}  # what a reconnection loads
+    loop.run(client._find_server(), timeout=30)
+    health = [headers for method, path, headers, _ in squatter.seen if path == "/health"]
+    assert len(health) >= 3
+    assert all("authorization" not in {h.lower() for h in headers} for headers in health)
+    keyed = [path for _, path, headers, _ in squatter.seen if "authorization" in {h.lower() for h in headers}]
+    assert keyed and "/health" not in keyed  # requests other than probes do carry it

@@ -4,6 +4,7 @@ one-machine Slurm and a two-node local Ray cluster (slow, in test_launchers_clus
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -142,3 +143,67 @@ def test_a_cluster_dry_run_refuses_the_run_directory_a_run_would_refuse(tmp_path
     assert result.exit_code == 2, result.output
     assert "#!/bin/bash" not in result.output
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+SHELL_KEYS = {"AREAL_ADMIN_KEY": "shell-admin", "AREAL_API_KEY": "shell-api", "VLLM_API_KEY": "shell-vllm"}
+
+
+def test_a_slurm_server_step_gets_the_jobs_key_and_none_of_the_shells(tmp_path):
+    """sbatch runs the script with the submitter's environment: the server step's own shell drops the
+    inherited key variables (a shell AREAL_ADMIN_KEY would make the run's weight updates fail with 403)
+    and exports the job's key under the server's variable. The step's body is run here by bash, with a
+    command that prints the environment it was given."""
+    import shlex
+    import sys
+
+    from arealcli.runtime.launchers.plan import HOST, PORT, ClusterPlan, ServerTask
+    from arealcli.runtime.launchers.slurm import _server_step
+    from arealcli.runtime.wire.auth import CLUSTER_KEY_ENV
+
+    script = script_of(dry_run(tmp_path, "cluster={allocation: {actor_gen: [0]}}", "--launcher", "slurm"))
+    assert 'unset "${!AREAL_@}" VLLM_API_KEY;' in script
+
+    printer = [
+        sys.executable,
+        "-c",
+        "import json, os, sys; print(json.dumps([dict(os.environ), sys.argv[1:]]))",
+    ]
+    task = ServerTask(
+        "m", 0, 0, [*printer, HOST, PORT], {"AREAL_WEIGHTS_DIR": "/run/weights"}, "AREAL_API_KEY", 20001
+    )
+    line = next(x for x in _server_step(task, ClusterPlan(1, 1, [0], [task])) if "bash -c" in x)
+    bash, flag, body, *_ = shlex.split(line)
+    env = {
+        "PATH": os.environ["PATH"],
+        **SHELL_KEYS,
+        "AREAL_OTHER": "x",
+        CLUSTER_KEY_ENV: "job-key",
+        "KEEP": "1",
+    }
+    out = subprocess.run([bash, flag, body, "10.0.0.1", "20001"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got, argv = json.loads(out.stdout)
+    assert argv == ["10.0.0.1", "20001"]
+    assert (
+        got["AREAL_API_KEY"] == "job-key"
+        and got["AREAL_WEIGHTS_DIR"] == "/run/weights"
+        and got["KEEP"] == "1"
+    )
+    assert not {"AREAL_ADMIN_KEY", "VLLM_API_KEY", "AREAL_OTHER", CLUSTER_KEY_ENV} & set(got)
+
+
+def test_a_ray_server_gets_the_jobs_key_and_none_of_the_nodes(monkeypatch):
+    """NodeRunner's environment for a server: the node's without its key variables, plus the job's; the
+    trainer's keeps the node's environment (its own settings) with the job's variables added."""
+    from arealcli.runtime.launchers.ray import process_env
+
+    for name, value in {**SHELL_KEYS, "AREALCLI_CLUSTER_KEY": "old"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("KEEP", "1")
+    server = process_env({"VLLM_API_KEY": "job-key", "AREAL_WEIGHTS_DIR": "/w"}, server=True)
+    assert (
+        server["VLLM_API_KEY"] == "job-key" and server["AREAL_WEIGHTS_DIR"] == "/w" and server["KEEP"] == "1"
+    )
+    assert not {"AREAL_ADMIN_KEY", "AREAL_API_KEY", "AREALCLI_CLUSTER_KEY"} & set(server)
+    trainer = process_env({"AREALCLI_CLUSTER_KEY": "job-key"}, server=False)
+    assert trainer["AREALCLI_CLUSTER_KEY"] == "job-key" and trainer["KEEP"] == "1"

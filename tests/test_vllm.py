@@ -605,10 +605,11 @@ def test_the_vllm_guard_keys_every_path_and_admin_paths_want_the_admin_key(guard
 def test_the_vllm_guard_proves_it_holds_the_key(guarded_echo):
     from arealcli.runtime.wire.auth import CHALLENGE_HEADER, PROOF_HEADER, fresh_nonce, proof, proves
 
-    nonce = fresh_nonce()
+    nonce, port = fresh_nonce(), int(guarded_echo.rsplit(":", 1)[1])
     r = httpx.get(guarded_echo + "/health", headers={CHALLENGE_HEADER: nonce}, trust_env=False, timeout=30)
-    assert r.status_code == 200 and proves("user-k", nonce, r.headers[PROOF_HEADER])
-    assert r.headers[PROOF_HEADER] == proof("user-k", nonce) != proof("admin-k", nonce)
+    assert r.status_code == 200 and proves("user-k", nonce, port, r.headers[PROOF_HEADER])
+    assert r.headers[PROOF_HEADER] == proof("user-k", nonce, port) != proof("admin-k", nonce, port)
+    assert not proves("user-k", nonce, port + 1, r.headers[PROOF_HEADER])  # bound to the port it listens on
     assert PROOF_HEADER not in httpx.get(guarded_echo + "/health", trust_env=False, timeout=30).headers
 
 
@@ -617,8 +618,14 @@ def test_the_vllm_guard_proof_is_the_launchers():
     from arealcli.runtime.wire import auth
     from arealcli.runtime.wire.guard import areal_guard as guard
 
-    for key, nonce in [("k", "n"), (auth.fresh_key(), auth.fresh_nonce()), ("ключ-🔑", "0" * 32)]:
-        assert guard.proof(key, nonce) == auth.proof(key, nonce)
+    for key, nonce, port in [
+        ("k", "n", 1),
+        (auth.fresh_key(), auth.fresh_nonce(), 8000),
+        ("ключ-🔑", "0" * 32, "65535"),
+    ]:
+        assert guard.proof(key, nonce, port) == auth.proof(key, nonce, port) != auth.proof(key, nonce, 2)
+    assert guard.listening_port({"server": ("127.0.0.1", 8000)}) == 8000
+    assert guard.listening_port({"server": None}) is None  # a Unix socket: no port, no proof
     assert (guard.CHALLENGE_HEADER, guard.PROOF_HEADER) == (auth.CHALLENGE_HEADER, auth.PROOF_HEADER)
     assert (guard.API_KEY_ENV, guard.ADMIN_KEY_ENV) == (auth.VLLM_API_KEY_ENV, auth.ADMIN_KEY_ENV)
     import ast
@@ -680,5 +687,7 @@ def test_a_launched_vllm_server_proves_it_holds_the_runs_key(gen):
     r = httpx.get(
         f"http://{server.address}/health", headers={CHALLENGE_HEADER: nonce}, trust_env=False, timeout=60
     )
-    assert r.status_code == 200 and proves(gen.backend.api_key, nonce, r.headers.get(PROOF_HEADER))
+    assert r.status_code == 200 and proves(
+        gen.backend.api_key, nonce, server.port, r.headers.get(PROOF_HEADER)
+    )
     assert server.key == gen.backend.api_key and server.key_env == "VLLM_API_KEY"

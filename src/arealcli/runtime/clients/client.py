@@ -2,9 +2,11 @@
 
 - One `/generate` request per prompt group (`n` samples), many in flight (`max_concurrent_requests`).
 - Load balancing: each request goes to the server with the fewest requests in flight.
-- Connection failures (refused, reset, a server that died mid-request, HTTP 5xx) move the request to
-  another server, with exponential backoff when none is left; a read timeout is an error at once. Every
-  failure is bounded: never a hang.
+- Connection failures (refused, reset, a server that died mid-request, HTTP 5xx, and HTTP 429: a server
+  at its limit of requests in flight) move the request to another server, with exponential backoff when
+  none is left; a read timeout is an error at once. Every failure is bounded: never a hang.
+- The key (`api_key`) rides on each request that needs it, never on a /health probe: a probe goes to a
+  server that may have died, whose port anything may hold since.
 - A server that is alive but stops answering (stopped, hung): while a request waits, its /health is
   probed every `health_interval_s`; no answer for `stall_timeout_s` gives the server up for good and
   the request goes to another one (or fails with that reason), long before `request_timeout_s`.
@@ -36,6 +38,7 @@ from arealcli.runtime.engines.inference import (  # noqa: F401  (Sample, EventLo
     GroupGenerator,
     Sample,
     abandon,
+    all_or_none,
 )
 from arealcli.runtime.wire.auth import bearer
 from arealcli.runtime.wire.sglang import Completion, generate_payload, parse_completion
@@ -102,9 +105,9 @@ class _Answer:
 
 
 class _Retryable(Exception):
-    """A connection-level failure (refused, reset, died mid-request, HTTP 5xx): try another server.
+    """A connection-level failure (refused, reset, died mid-request, HTTP 5xx or 429): try another server.
     `stalled`: the server is alive but stopped answering (a supervised one is restarted); `answered`: it
-    answered, with an HTTP 5xx (alive: never a reason to restart it)."""
+    answered, with an HTTP 5xx or 429 (alive: never a reason to restart it)."""
 
     def __init__(self, message: str, stalled: bool = False, answered: bool = False):
         super().__init__(message)
@@ -164,8 +167,8 @@ class GenerationClient(GroupGenerator):
         """The session (created inside the running loop). aiohttp, not httpx: with many requests in
         flight httpx's connection pool costs ~10 ms a request (encode/httpx#3215)."""
         if self._session is None:
+            # no key on the session: `_send` adds it to each request that needs it (never to a probe)
             self._session = aiohttp.ClientSession(
-                headers=self.headers,
                 connector=aiohttp.TCPConnector(limit=self.max_concurrent_requests + len(self.servers)),
                 timeout=aiohttp.ClientTimeout(
                     total=self.request_timeout_s, sock_connect=self.connect_timeout_s
@@ -182,11 +185,14 @@ class GenerationClient(GroupGenerator):
             self._session = None
 
     async def _send(
-        self, method: str, url: str, payload: Any = None, timeout: float | None = None
+        self, method: str, url: str, payload: Any = None, timeout: float | None = None, keyed: bool = True
     ) -> _Answer:
-        """One HTTP exchange; connection-level failures become _Retryable, a read timeout TimeoutError."""
+        """One HTTP exchange, carrying the key unless `keyed` is False (/health probes); connection-level
+        failures (and HTTP 5xx, 429) become _Retryable, a read timeout TimeoutError."""
         session = self._http()
         kwargs: dict[str, Any] = {} if payload is None else {"json": payload}
+        if keyed and self.headers:
+            kwargs["headers"] = self.headers
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout, sock_connect=self.connect_timeout_s)
         try:
@@ -198,7 +204,7 @@ class GenerationClient(GroupGenerator):
             raise TimeoutError from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             raise _Retryable(_describe(e)) from e
-        if answer.status >= 500:
+        if answer.status >= 500 or answer.status == 429:  # 429: at its limit of requests in flight
             raise _Retryable(f"HTTP {answer.status}: {answer.error_message()}", answered=True)
         return answer
 
@@ -238,9 +244,10 @@ class GenerationClient(GroupGenerator):
         return s.healthy_at
 
     async def _probe(self, s: _Server) -> None:
-        """One /health probe (a task nobody may await: it never raises). Any failure is no answer."""
+        """One /health probe (a task nobody may await: it never raises), without the key. Any failure is no
+        answer."""
         try:
-            answer = await self._send("GET", s.url + "/health", timeout=self.health_interval_s)
+            answer = await self._send("GET", s.url + "/health", timeout=self.health_interval_s, keyed=False)
         except Exception:  # noqa: BLE001  (refused, reset, timed out, the session closed: not healthy)
             return
         if answer.status == 200:
@@ -282,8 +289,10 @@ class GenerationClient(GroupGenerator):
                     f"{path} on {s.address} got no answer within request_timeout_s={self.request_timeout_s:g} s; "
                     "the server may be overloaded or stuck (raise request_timeout_s for long generations)"
                 ) from None
-            except _Retryable as e:  # refused, reset, the server died mid-request, HTTP 5xx
+            except _Retryable as e:  # refused, reset, the server died mid-request, HTTP 5xx or 429
                 errors.append(self._failure(s, str(e)))
+                # before any await: other requests keep off this server while it is looked at
+                s.down_until = time.monotonic() + self.retry_backoff_s * 2**attempt
                 if await self._should_restart(s, e):
                     self._start_recovery(s, str(e))
                     continue
@@ -291,7 +300,6 @@ class GenerationClient(GroupGenerator):
                 return _json_or_raise(answer, s.address, path)
             finally:
                 s.in_flight -= 1
-            s.down_until = time.monotonic() + self.retry_backoff_s * 2**attempt
             if attempt < self.max_retries and not any(
                 x.down_until <= time.monotonic() for x in self.servers if not x.stale
             ):
@@ -351,22 +359,26 @@ class GenerationClient(GroupGenerator):
             await loop.run_in_executor(
                 self.supervisor.thread, self.supervisor.restart, s.address, down or why
             )
-            s.healthy_at, s.down_until, s.update = time.monotonic(), 0.0, None
-            await self._catch_up(s)
         except GenerationServerError as e:
-            s.stale = True
-            self.fatal = e
-            return
-        except (_Retryable, TimeoutError) as e:
-            s.stale = True
-            self.fatal = GenerationServerError(f"generation server {label} failed right after a restart: {e}")
+            self._give_up(s, e)
             return
         except Exception as e:  # noqa: BLE001  (a task nobody awaits: its failure becomes every request's)
-            s.stale = True
-            self.fatal = GenerationServerError(
-                f"generation server {label} could not be restarted: {type(e).__name__}: {e}"
+            self._give_up(s, GenerationServerError(f"generation server {label} could not be restarted"), e)
+            return
+        s.healthy_at, s.down_until, s.update = time.monotonic(), 0.0, None
+        try:
+            await self._catch_up(s)
+        except GenerationServerError as e:
+            self._give_up(s, e)
+            return
+        except (_Retryable, TimeoutError) as e:
+            self._give_up(
+                s, GenerationServerError(f"generation server {label} failed right after a restart: {e}")
             )
-            self.fatal.__cause__ = e
+            return
+        except Exception as e:  # noqa: BLE001  (as above)
+            why = f"generation server {label} was restarted, then failed while loading the newest weights"
+            self._give_up(s, GenerationServerError(why), e)
             return
         lost = time.monotonic() - t0
         self.restarts += 1
@@ -377,6 +389,15 @@ class GenerationClient(GroupGenerator):
             f"(restart {len(self.supervisor.restarted_at)} of at most {self.supervisor.max_restarts} within "
             f"{self.supervisor.window_s:g} s); the run goes on"
         )
+
+    def _give_up(self, s: _Server, error: GenerationServerError, cause: BaseException | None = None) -> None:
+        """`s` is not used again and every request fails with `error` (`cause`: an unexpected exception,
+        named in the message)."""
+        if cause is not None:
+            error = GenerationServerError(f"{error}: {type(cause).__name__}: {cause}")
+            error.__cause__ = cause
+        s.stale = True
+        self.fatal = error
 
     async def _catch_up(self, s: _Server) -> None:
         """Give `s` the newest weight update (again, should another arrive meanwhile)."""
@@ -409,7 +430,9 @@ class GenerationClient(GroupGenerator):
         while time.monotonic() - t0 < self.reconnect_timeout_s:
             for s in self.servers:
                 try:
-                    answer = await self._send("GET", s.url + "/health", timeout=self.connect_timeout_s)
+                    answer = await self._send(
+                        "GET", s.url + "/health", timeout=self.connect_timeout_s, keyed=False
+                    )
                 except (_Retryable, TimeoutError):
                     continue
                 if answer.status != 200:
@@ -481,8 +504,11 @@ class GenerationClient(GroupGenerator):
 
         async def one(s: _Server) -> dict[str, Any]:
             try:
-                for path in ("/health", "/get_model_info"):
-                    answer = await self._send("GET", s.url + path, timeout=self.connect_timeout_s)
+                for path in ("/health", "/get_model_info"):  # /health without the key: a probe
+                    keyed = path != "/health"
+                    answer = await self._send(
+                        "GET", s.url + path, timeout=self.connect_timeout_s, keyed=keyed
+                    )
                     if answer.status != 200:
                         raise _Retryable(f"{path} answered HTTP {answer.status}")
                 return answer.json()
@@ -493,7 +519,7 @@ class GenerationClient(GroupGenerator):
                     "(start one with `areal serve --model DIR --port N`, or set `launch:` in the backend args)"
                 ) from None
 
-        infos = list(await asyncio.gather(*(one(s) for s in self.servers)))
+        infos = await all_or_none([one(s) for s in self.servers])
         self.watch()
         return infos
 

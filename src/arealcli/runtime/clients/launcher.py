@@ -12,8 +12,10 @@ GPUs (CUDA_VISIBLE_DEVICES, ids counted among the GPUs visible here).
 
 Keys: a server's key reaches it through its environment only, and the launcher sends it nowhere before
 the server has proved it holds it: `GET /health` with a fresh nonce (CHALLENGE_HEADER, no key) must come
-back 200 with proof(key, nonce) (PROOF_HEADER). A process that took the port first cannot answer so; the
-launcher keeps asking until the real server answers or the startup time is up. Key variables of the
+back 200 with proof(key, nonce, port) (PROOF_HEADER), `port` the one the server was launched on. A process
+that took the port first cannot answer so, nor relay the challenge to another server of the run (whose
+proof names its own port); the launcher keeps asking until the real server answers or the startup time is
+up. Key variables of the
 trainer's own environment (AREAL_*, VLLM_API_KEY, the cluster key) never reach a server: it gets the
 run's, or none.
 """
@@ -37,6 +39,7 @@ import httpx
 from arealcli.runtime.wire.auth import (
     API_KEY_ENV,
     CHALLENGE_HEADER,
+    CLUSTER_KEY_ENV,
     PROOF_HEADER,
     VLLM_API_KEY_ENV,
     WEIGHTS_DIR_ENV,
@@ -139,10 +142,21 @@ def server_command(args: SGLangBackendArgs, model_path: str, port: int, index: i
         cmd += ["--port", str(port), "--device", args.device]
         cmd += ["--dtype", "float32" if args.dtype == "auto" else args.dtype]
         cmd += ["--max-n", str(MAX_SAMPLES_PER_PROMPT)]  # a recipe's generation.n is bounded already
+        cmd += ["--max-requests", str(max_requests(args))]
         cpus = args.server_cpus(index)
         if cpus:
             cmd += ["--num-threads", str(len(cpus))]
     return cmd + list(args.extra_args)
+
+
+SERVE_MAX_REQUESTS = 1024  # `areal serve --max-requests`'s default
+
+
+def max_requests(args: SGLangBackendArgs) -> int:
+    """An embedded server's limit of requests in flight (429 beyond): at least as many as the client
+    sends at once (`max_concurrent_requests`, over all servers), so the run's own requests are never
+    refused."""
+    return max(SERVE_MAX_REQUESTS, args.max_concurrent_requests)
 
 
 try:
@@ -175,13 +189,14 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
 # AREAL_API_KEY / AREAL_ADMIN_KEY, vLLM VLLM_API_KEY; the run's cluster key): a server gets the run's or none.
 # An inherited admin key, say, would make the run's own weight updates fail with 403.
 KEY_PREFIXES = ("AREAL_",)
-KEY_VARIABLES = frozenset({VLLM_API_KEY_ENV, "AREALCLI_CLUSTER_KEY"})  # run.session.CLUSTER_KEY_ENV
+KEY_VARIABLES = frozenset({VLLM_API_KEY_ENV, CLUSTER_KEY_ENV})
 
 
-def child_env(secrets: dict[str, str] | None) -> dict[str, str]:
-    """This process's environment without its key variables (KEY_PREFIXES, KEY_VARIABLES), plus `secrets`."""
+def child_env() -> dict[str, str]:
+    """This process's environment without its key variables (KEY_PREFIXES, KEY_VARIABLES): what a server
+    starts from, before the run's own variables (its key) are added."""
     env = {k: v for k, v in os.environ.items() if not (k.startswith(KEY_PREFIXES) or k in KEY_VARIABLES)}
-    return {**env, "PYTHONUNBUFFERED": "1", **(secrets or {})}
+    return {**env, "PYTHONUNBUFFERED": "1"}
 
 
 def key_variable(secrets: dict[str, str] | None) -> str | None:
@@ -235,7 +250,7 @@ def launch(
         else:
             assert isinstance(args, SGLangBackendArgs)
             cmd = server_command(args, model_path, port, i)
-        env = child_env(None)
+        env = child_env()
         cpus, devices = args.server_cpus(i), args.server_devices(i)
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(devices)
@@ -310,7 +325,7 @@ def wait_ready(servers: list[ServerProcess], timeout_s: float) -> None:
             for s in list(pending):
                 if s.exited() is not None:
                     raise LaunchError(_exited(s, s.address in impostors))
-                answer = identify(client, s)
+                answer = identify(client, s.address, s.key)
                 if answer == "ready":
                     pending.remove(s)
                 elif answer == "impostor":
@@ -321,32 +336,39 @@ def wait_ready(servers: list[ServerProcess], timeout_s: float) -> None:
                 time.sleep(0.2)
 
 
-def identify(client: httpx.Client, s: ServerProcess) -> str | None:
-    """What answers `s`'s /health: "ready" (200, and with a key a valid proof of it), "impostor" (an answer
-    without the proof, or with a wrong one: whatever holds the port), or None (no answer yet)."""
-    key, nonce = s.key, fresh_nonce()
+def identify(client: httpx.Client, address: str, key: str | None) -> str | None:
+    """What answers /health at `address` (HOST:PORT): "ready" (200, and with a key a valid proof of it for
+    that port), "impostor" (an answer without the proof, or with a wrong one: whatever holds the port, or
+    relays another server's answer), or None (no answer yet). The request carries no key."""
+    nonce, port = fresh_nonce(), address.rsplit(":", 1)[1]
     try:
-        r = client.get(f"http://{s.address}/health", headers={CHALLENGE_HEADER: nonce} if key else {})
+        r = client.get(f"http://{address}/health", headers={CHALLENGE_HEADER: nonce} if key else {})
     except httpx.HTTPError:
         return None
     if key is None:
         return "ready" if r.status_code == 200 else None
     answer = r.headers.get(PROOF_HEADER)
-    if proves(key, nonce, answer):
+    if proves(key, nonce, port, answer):
         return "ready" if r.status_code == 200 else None
     return "impostor" if r.status_code == 200 or answer is not None else None
+
+
+def unproven(port: str) -> str:
+    """What an answer without the proof of the key means (the launcher's error messages)."""
+    return (
+        f"something answers /health on port {port} without the proof of the run's key (another process, or "
+        "the server without its key guard); the key was not sent there"
+    )
 
 
 def _exited(s: ServerProcess, impostor: bool) -> str:
     """Why a server's process ended while starting: its exit code, a taken port said plainly, its log."""
     tail = s.log_tail()
-    answered = f"answered /health on port {s.port} without proving it holds the run's key"
-    answered += " (the key was not sent there)"
     if "address already in use" in tail.lower():
         why = f"; port {s.port} is taken: another process listens on {s.address}"
-        why += (f" and {answered}" if impostor else "") + "; stop it, or use another port"
+        why += (f"; {unproven(s.port)}" if impostor else "") + "; stop it, or use another port"
     else:
-        why = f"; another process {answered}" if impostor else ""
+        why = f"; {unproven(s.port)}" if impostor else ""
     return (
         f"generation server {s.address} exited with code {s.exited()} while starting{why}; "
         f"log {s.log_path} ends with:\n{tail}"
@@ -356,10 +378,9 @@ def _exited(s: ServerProcess, impostor: bool) -> str:
 def _timed_out(s: ServerProcess, timeout_s: float, impostor: bool) -> str:
     if impostor:
         return (
-            f"generation server {s.address}: another process answers on port {s.port} without proving it "
-            f"holds the run's key, and the server did not take the port within startup_timeout_s="
-            f"{timeout_s:g} s; the key was not sent there. Stop that process or use another port; log "
-            f"{s.log_path} ends with:\n{s.log_tail()}"
+            f"generation server {s.address}: {unproven(s.port)}. The server did not prove itself within "
+            f"startup_timeout_s={timeout_s:g} s: stop that process or use another port (or, if it is this "
+            f"server, see why it lacks its key); log {s.log_path} ends with:\n{s.log_tail()}"
         )
     return (
         f"generation server {s.address} did not answer /health within startup_timeout_s="

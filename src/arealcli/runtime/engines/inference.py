@@ -86,16 +86,19 @@ class GroupGenerator:
         for (_, _, n), completions in zip(groups, firsts, strict=True):
             if len(completions) != n:
                 raise GenerationServerError(f"a request for n={n} samples returned {len(completions)}")
-        finishes = [
-            (i, self._finish(prompt, params, c))
-            for i, ((prompt, params, _), completions) in enumerate(zip(groups, firsts, strict=True))
-            for c in completions
-        ]
-        samples = await all_or_none([coro for _, coro in finishes])
-        out: list[list[Sample]] = [[] for _ in groups]
-        for (i, _), sample in zip(finishes, samples, strict=True):
-            out[i].append(sample)
-        return out
+        return await all_or_none(
+            [
+                self._finish_group(prompt, params, completions)
+                for (prompt, params, _), completions in zip(groups, firsts, strict=True)
+            ]
+        )
+
+    async def _finish_group(
+        self, prompt: list[int], params: dict[str, Any], completions: list[Completion]
+    ) -> list[Sample]:
+        """The samples of one group, each continued until it finishes (all_or_none: cancelled with the
+        other groups, its own continuations are cancelled and abandoned too)."""
+        return await all_or_none([self._finish(prompt, params, c) for c in completions])
 
     async def _finish(self, prompt: list[int], params: dict[str, Any], c: Completion) -> Sample:
         ids, lps, versions, resends = list(c.output_ids), list(c.logprobs), [c.weight_version], 0

@@ -4,8 +4,10 @@ One placement group, one bundle per node of the plan (`STRICT_SPREAD`: each bund
 node; `cluster.cpus_per_node` and `gpus_per_node` CPUs and GPUs each, one CPU by default). Node i of
 `cluster.allocation` is bundle i. On each bundle a `NodeRunner` actor starts that node's processes as
 children of its own: the generation servers first (on a free port of the node, its address as Ray
-knows it), then, once they answer /health, `areal train --nnodes K --node-rank r` on each trainer
-node (rendezvous on the first), with the servers' addresses and key in its environment. The driver
+knows it), then, once they answer /health and prove they hold the job's key (launchers/health), `areal
+train --nnodes K --node-rank r` on each trainer node (rendezvous on the first), with the servers'
+addresses and key in its environment. A server starts from the node's environment without its key
+variables (a shell's AREAL_ADMIN_KEY, ...: clients/launcher.child_env), plus the job's key. The driver
 prints the first trainer node's output as it comes, and on Ctrl-C (or when the trainer ends) stops
 every process (SIGTERM, then SIGKILL), the actors and the placement group. Each process also logs to
 RUN/logs/ on its node: `trainer-R.log` (node-rank R), `MODEL-I.log` (server I of MODEL).
@@ -28,8 +30,8 @@ from typing import Any
 from arealcli.errors import UserError
 from arealcli.runtime.launchers.plan import ClusterPlan
 from arealcli.runtime.run.launch import PREPARED_ENV, RESUME_FLAGS_ENV
-from arealcli.runtime.run.session import CLUSTER_KEY_ENV, SERVERS_ENV
-from arealcli.runtime.wire.auth import fresh_key
+from arealcli.runtime.run.session import SERVERS_ENV
+from arealcli.runtime.wire.auth import CLUSTER_KEY_ENV, fresh_key
 
 PLACEMENT_TIMEOUT_S = 60.0
 STOP_GRACE_S = 120.0  # a trainer stopped by SIGTERM saves a checkpoint first
@@ -42,6 +44,17 @@ class RayJob:
     run_dir: Path
     resume_flags: str = ""
     address: str | None = None
+
+
+def process_env(env: dict[str, str], server: bool) -> dict[str, str]:
+    """The environment of a process NodeRunner starts: this node's with `env` added; a server's starts
+    from this node's without its key variables (clients/launcher.child_env), so that only the job's key
+    reaches it (an inherited admin key, say, would make the run's weight updates fail with 403)."""
+    if server:
+        from arealcli.runtime.clients.launcher import child_env
+
+        return {**child_env(), **env}
+    return {**os.environ, **env}
 
 
 class NodeRunner:
@@ -62,16 +75,16 @@ class NodeRunner:
 
         return free_port(self.ip())
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> int:
-        """Start `cmd` with `env` added; its output is appended to RUN/logs/NAME.log (a resumed run's
-        follows the first's). Returns where its output starts in that file."""
+    def start(self, name: str, cmd: list[str], env: dict[str, str], server: bool = False) -> int:
+        """Start `cmd` with `env` added (process_env); its output is appended to RUN/logs/NAME.log (a
+        resumed run's follows the first's). Returns where its output starts in that file."""
         log = self.run_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             start = out.tell()
             self.procs[name] = subprocess.Popen(
                 cmd,
-                env={**os.environ, **env},
+                env=process_env(env, server),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -80,10 +93,11 @@ class NodeRunner:
         self.logs[name] = log
         return start
 
-    def wait_healthy(self, address: str, name: str, timeout_s: float) -> str | None:
+    def wait_healthy(self, address: str, name: str, timeout_s: float, key: str | None = None) -> str | None:
+        """None once the server at `address` answers /health with the proof of `key`; else why not."""
         from arealcli.runtime.launchers.health import wait_healthy
 
-        return wait_healthy([address], timeout_s, lambda: self.procs[name].poll() is None)
+        return wait_healthy([address], timeout_s, lambda: self.procs[name].poll() is None, key)
 
     def read(self, name: str, offset: int) -> tuple[str, int, int | None]:
         """(new output since `offset`, the new offset, the exit code once it ended)."""
@@ -205,11 +219,11 @@ def _start_servers(job: RayJob, runners, ips: list[str], key: str, say) -> dict[
         port = task.port or ray.get(runner.free_port.remote())
         address = f"{ips[task.node]}:{port}"
         env = {**task.env, task.key_env: key}
-        ray.get(runner.start.remote(task.name, task.command_at(ips[task.node], port), env))
+        ray.get(runner.start.remote(task.name, task.command_at(ips[task.node], port), env, True))
         started.append((task, address))
     by_model: dict[str, list[str]] = {}
     for task, address in started:
-        why = ray.get(runners[task.node].wait_healthy.remote(address, task.name, 600.0))
+        why = ray.get(runners[task.node].wait_healthy.remote(address, task.name, 600.0, key))
         if why is not None:
             raise UserError(f"{task.model} server {task.index}: {why} (log: {job.run_dir}/logs/)")
         by_model.setdefault(task.model, []).append(address)

@@ -4,8 +4,10 @@ The script (written to RUN/launch/slurm.sh, printed by `--dry-run`):
 1. lists the job's nodes (`scontrol show hostnames`) and their addresses (`NodeAddr`);
 2. makes the servers' key (in the job, never on a command line or in the script);
 3. starts each generation server of `cluster.allocation` as its own job step (`srun --nodes=1
-   --nodelist=NODE`), on a port derived from the job id (or the backend's `base_port`), and waits until
-   each answers /health;
+   --nodelist=NODE`), on a port derived from the job id (or the backend's `base_port`), from the
+   submitter's environment without its key variables (AREAL_*, VLLM_API_KEY: a shell's AREAL_ADMIN_KEY
+   would make the run's weight updates fail) plus the job's key, and waits until each answers /health
+   with the proof of that key (launchers/health);
 4. starts the trainer as one step over the trainer nodes, one task per node, each running
    `areal train --nnodes K --node-rank $SLURM_PROCID` (torch's elastic agent with `--nproc-per-node`
    ranks), rendezvous on the first trainer node, the servers' addresses in its environment;
@@ -31,7 +33,8 @@ from pathlib import Path
 from arealcli.errors import UserError
 from arealcli.runtime.launchers.plan import HOST, PORT, ClusterPlan, ServerTask, areal_command
 from arealcli.runtime.run.launch import PREPARED_ENV, RESUME_FLAGS_ENV
-from arealcli.runtime.run.session import CLUSTER_KEY_ENV, SERVERS_ENV
+from arealcli.runtime.run.session import SERVERS_ENV
+from arealcli.runtime.wire.auth import CLUSTER_KEY_ENV, VLLM_API_KEY_ENV
 from arealcli.schema.recipe import SlurmSpec
 
 SCRIPT = Path("launch") / "slurm.sh"
@@ -78,7 +81,10 @@ def _server_step(task: ServerTask, plan: ClusterPlan) -> list[str]:
     port = str(task.port) if task.port is not None else f"$((PORT_BASE + {plan.servers.index(task)}))"
     inner = " ".join('"$0"' if w == HOST else '"$1"' if w == PORT else _q(w) for w in task.command)
     env = " ".join(f"{k}={_q(v)}" for k, v in task.env.items())
-    body = f'export {task.key_env}="${CLUSTER_KEY_ENV}" {env}; exec {inner}'
+    # inherited key variables out (as clients/launcher.child_env does), the job's key in under the
+    # server's own variable; the cluster key's own variable goes too
+    unset = f'unset "${{!AREAL_@}}" {VLLM_API_KEY_ENV}'
+    body = f'{unset}; export {task.key_env}="${CLUSTER_KEY_ENV}" {env}; unset {CLUSTER_KEY_ENV}; exec {inner}'
     cpus = plan.cpus_per_node // len(plan.servers_on(task.node)) if plan.cpus_per_node else None
     flags = [
         "--nodes=1",

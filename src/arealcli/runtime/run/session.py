@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from arealcli.errors import UserError
+from arealcli.runtime.wire.auth import CLUSTER_KEY_ENV
 
 # Written into every run directory this tool creates. `--overwrite` removes only directories that have
 # it, so a mistyped `-o` or `experiment` can never delete anything else.
@@ -235,7 +236,7 @@ class StopSignals:
 
 # Set by the cluster launchers (runtime/launchers) for the `areal train` they start on each node:
 SERVERS_ENV = "AREALCLI_CLUSTER_SERVERS"  # {"model": ["host:port", ...]}: servers they started for it
-CLUSTER_KEY_ENV = "AREALCLI_CLUSTER_KEY"  # those servers' key (fresh per job, never on a command line)
+# and CLUSTER_KEY_ENV (wire/auth, with the other key variables): those servers' key
 
 
 def given_servers(name: str, backend: Any) -> Any:
