@@ -43,9 +43,9 @@ from arealcli.schema.components.backends import LocalBackendArgs
 class LocalRunner(ModelRunner):
     """The model runner of the `local` backend: new weights from an HF export or from memory."""
 
-    def load_weights(self, source: str | WeightsInMemory) -> None:  # type: ignore[override]
+    def load_weights(self, source: str | WeightsInMemory, root: str | None = None) -> None:  # type: ignore[override]
         if isinstance(source, str):
-            super().load_weights(source)
+            super().load_weights(source, root)
         else:
             copy_in(self, source)
 
