@@ -94,9 +94,11 @@ def slice_bounds(n: int, rank_: int, world_: int) -> tuple[int, int]:
 
 
 def dp_slice(batch: SequenceSample) -> SequenceSample:
-    """This DP rank's contiguous slice of a global batch (the whole batch in a single process)."""
+    """This DP rank's contiguous slice of a global batch (the whole batch in a single process), cut
+    between units (`SequenceSample.units`: a preference pair stays on one rank)."""
     w = dp_world()
     if w == 1:
         return batch
-    start, end = slice_bounds(batch.bs, dp_rank(), w)
-    return batch.subset(list(range(start, end)))
+    units = batch.units()
+    start, end = slice_bounds(len(units), dp_rank(), w)
+    return batch.subset([i for unit in units[start:end] for i in unit])

@@ -20,7 +20,7 @@ from arealcli.schema.components.backends import (
     SGLangBackendArgs,
     VLLMBackendArgs,
 )
-from arealcli.schema.components.datasets import ChatArgs, PromptAnswerArgs
+from arealcli.schema.components.datasets import PAIR, ChatArgs, PreferenceArgs, PromptAnswerArgs
 from arealcli.schema.components.interfaces import (
     RETURNS_OUTPUTS,
     PPOActorArgs,
@@ -188,14 +188,14 @@ PROMPT_ANSWER_KEYS = frozenset(
     {"packed_input_ids", "prompt_mask", "loss_mask", "packed_prompts", "prompt", "answers"}
 )
 CHAT_KEYS = frozenset({"packed_input_ids", "prompt_mask", "loss_mask", "prompt"})
+PREFERENCE_KEYS = frozenset({"packed_input_ids", "prompt_mask", "loss_mask", PAIR, "prompt"})
 _DATASETS: list[tuple[str, str, type[BaseModel], frozenset[str]]] = [
-    ("prompt_answer", "PromptAnswerDataset", PromptAnswerArgs, PROMPT_ANSWER_KEYS),
-    ("chat", "ChatDataset", ChatArgs, CHAT_KEYS),
+    ("prompt_answer", "datasets:PromptAnswerDataset", PromptAnswerArgs, PROMPT_ANSWER_KEYS),
+    ("chat", "datasets:ChatDataset", ChatArgs, CHAT_KEYS),
+    ("preference", "preferences:PreferenceDataset", PreferenceArgs, PREFERENCE_KEYS),
 ]
 for _name, _target, _args, _keys in _DATASETS:
-    DATASETS.add(
-        Entry(_name, f"{_R}.data.datasets:{_target}", _args, _args.__doc__ or "", "builtin", data_keys=_keys)
-    )
+    DATASETS.add(Entry(_name, f"{_R}.data.{_target}", _args, _args.__doc__ or "", "builtin", data_keys=_keys))
 
 for _name, _fn, _doc in [
     ("calculator", "calculator", "Arithmetic (+ - * / // % ** and parentheses) parsed with ast, never eval."),

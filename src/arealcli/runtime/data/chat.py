@@ -3,7 +3,8 @@
     render_prompt(tokenizer, messages)              a prompt's token ids, ending with the template's
                                                     generation prompt (what an instruct model expects)
     render_conversation(tokenizer, messages, ...)   a whole conversation's ids and a per-token mask that
-                                                    is True on assistant tokens only (multi-turn SFT)
+                                                    is True on assistant tokens only (multi-turn SFT;
+                                                    preference pairs: the response's only)
 
 The assistant tokens are found from the rendered text: the conversation is rendered once, and for each
 assistant message the text before it (rendered up to it, with the generation prompt) and after it
@@ -62,14 +63,16 @@ def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = No
 
 
 def render_conversation(
-    tokenizer, messages: list[dict], tools: list[dict] | None = None
+    tokenizer, messages: list[dict], tools: list[dict] | None = None, counted_from: int = 0
 ) -> tuple[list[int], list[bool]]:
     """(ids, loss mask) of a whole conversation: the mask is True on the tokens of assistant messages
-    (their content, tool calls and the template's end of turn), False on everything else."""
+    (their content, tool calls and the template's end of turn), False on everything else. Only the
+    assistant messages from index `counted_from` on count (a preference pair: the response, not the
+    assistant turns of the prompt's history)."""
     full = _text(tokenizer, messages, False, tools)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i < counted_from:
             continue
         start = len(_text(tokenizer, messages[:i], True, tools))
         end = len(_text(tokenizer, messages[: i + 1], False, tools))

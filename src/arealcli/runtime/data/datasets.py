@@ -61,7 +61,7 @@ def _raise_bad(bad: list[str]) -> None:
         raise DataError("\n".join(bad[:MAX_REPORTED]) + more)
 
 
-def _text(value: Any) -> str | None:
+def text_value(value: Any) -> str | None:
     """A prompt or answer as text: strings, and numbers written as JSON numbers (`"answer": 42`)."""
     if isinstance(value, str):
         return value
@@ -70,7 +70,7 @@ def _text(value: Any) -> str | None:
     return None
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
     return {dict: "an object", list: "a list", bool: "a boolean", type(None): "null"}.get(
         type(value), type(value).__name__
     )
@@ -186,12 +186,12 @@ class PromptAnswerDataset:
         if dropped:
             self.notes.append(
                 f"{self.path}: dropped {len(dropped)} of {len(rows)} rows whose prompt alone is {args.max_length} "
-                f"tokens or more (max_length) — {_lines(dropped)}"
+                f"tokens or more (max_length) — {row_lines(dropped)}"
             )
         if cut:
             self.notes.append(
                 f"{self.path}: cut the answer of {len(cut)} of {len(rows)} rows to fit max_length "
-                f"({args.max_length} tokens) — {_lines(cut)}"
+                f"({args.max_length} tokens) — {row_lines(cut)}"
             )
         if not self.items:
             raise DataError(
@@ -203,7 +203,7 @@ class PromptAnswerDataset:
         a = self.args
         prompt_key = a.messages_key or a.prompt_key
         if not isinstance(row, dict):
-            return f"a row must be a JSON object with {prompt_key!r} and {a.answer_key!r}, got {_kind(row)}"
+            return f"a row must be a JSON object with {prompt_key!r} and {a.answer_key!r}, got {kind_of(row)}"
         for key in (prompt_key, a.answer_key):
             if key not in row:
                 return f"row has no {key!r} field (has {sorted(row)})"
@@ -213,8 +213,8 @@ class PromptAnswerDataset:
                 return problem
         else:
             prompt = row[a.prompt_key]
-            if _text(prompt) is None or (isinstance(prompt, str) and not prompt):
-                return f"{a.prompt_key!r} must be a non-empty text, got {_kind(prompt) if prompt != '' else 'an empty text'}"
+            if text_value(prompt) is None or (isinstance(prompt, str) and not prompt):
+                return f"{a.prompt_key!r} must be a non-empty text, got {kind_of(prompt) if prompt != '' else 'an empty text'}"
         if a.episode_key is not None and row.get(a.episode_key) is not None:
             problem = (
                 _chat_episode_problem(row[a.episode_key], a.episode_key)
@@ -228,8 +228,8 @@ class PromptAnswerDataset:
         if not answers:
             return f"{a.answer_key!r} is an empty list; give at least one accepted answer"
         for x in answers:
-            if _text(x) is None:
-                return f"{a.answer_key!r} must be a text, a number or a list of those, got {_kind(x)}"
+            if text_value(x) is None:
+                return f"{a.answer_key!r} must be a text, a number or a list of those, got {kind_of(x)}"
         return None
 
     def _encode(self, index: int, row: dict[str, Any]) -> dict[str, Any]:
@@ -238,16 +238,16 @@ class PromptAnswerDataset:
             messages = (
                 row[a.messages_key]
                 if a.messages_key
-                else [{"role": "user", "content": _text(row[a.prompt_key])}]
+                else [{"role": "user", "content": text_value(row[a.prompt_key])}]
             )
             prompt, prompt_ids = render_prompt(tok, with_system(messages, a.system_prompt))
         else:
-            text = _text(row[a.prompt_key])
+            text = text_value(row[a.prompt_key])
             assert text is not None  # _row_problem refused the rows without a text prompt
             prompt = text
             prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         answers = row[a.answer_key] if isinstance(row[a.answer_key], list) else [row[a.answer_key]]
-        answers = [_text(x) for x in answers]
+        answers = [text_value(x) for x in answers]
         episode = row.get(a.episode_key) if a.episode_key is not None else None
         if a.episode_tools is not None and episode is not None:
             return self._chat_episode(index, prompt, prompt_ids, episode, answers, a.episode_tools)
@@ -326,7 +326,7 @@ class PromptAnswerDataset:
 def _episode_problem(episode: Any, key: str) -> str | None:
     """What is wrong with a worked episode [{role: assistant|tool, content}], or None."""
     if not isinstance(episode, list) or not episode:
-        return f"{key!r} must be a non-empty list of turns [{{role, content}}], got {_kind(episode)}"
+        return f"{key!r} must be a non-empty list of turns [{{role, content}}], got {kind_of(episode)}"
     for i, turn in enumerate(episode):
         if not isinstance(turn, dict) or set(turn) != {"role", "content"}:
             return f"{key!r} turn {i} must be an object with exactly 'role' and 'content'"
@@ -345,7 +345,7 @@ def _chat_episode_problem(episode: Any, key: str) -> str | None:
     from arealcli.runtime.wire.openai import ProtocolError, chat_message
 
     if not isinstance(episode, list) or not episode:
-        return f"{key!r} must be a non-empty list of messages, got {_kind(episode)}"
+        return f"{key!r} must be a non-empty list of messages, got {kind_of(episode)}"
     for i, m in enumerate(episode):
         try:
             message = chat_message(m, i)
@@ -388,13 +388,13 @@ class ChatDataset:
             self.items.append({"id": len(self.items), "ids": ids, "mask": mask, "prompt_len": first})
         if cut:
             self.notes.append(
-                f"{self.path}: cut {len(cut)} of {len(rows)} conversations to max_length ({args.max_length} tokens) — {_lines(cut)}"
+                f"{self.path}: cut {len(cut)} of {len(rows)} conversations to max_length ({args.max_length} tokens) — {row_lines(cut)}"
             )
 
     def _row_problem(self, row: Any) -> str | None:
         key = self.args.messages_key
         if not isinstance(row, dict) or key not in row:
-            return f"row has no {key!r} field (has {sorted(row) if isinstance(row, dict) else _kind(row)})"
+            return f"row has no {key!r} field (has {sorted(row) if isinstance(row, dict) else kind_of(row)})"
         problem = messages_problem(row[key], key)
         if problem is None and not any(m["role"] == "assistant" for m in row[key]):
             problem = f"{key!r} has no assistant message: nothing to learn"
@@ -416,7 +416,7 @@ class ChatDataset:
         )
 
 
-def _lines(wheres: list[str]) -> str:
+def row_lines(wheres: list[str]) -> str:
     """`file:3, file:9` -> `lines 3, 9`; rows of other sources as they are."""
     short = [w.rsplit(":", 1)[1] if ":" in w and w.rsplit(":", 1)[1].isdigit() else w for w in wheres]
     label = "lines " if all(s.isdigit() for s in short) else ""

@@ -7,7 +7,8 @@ of sample i's entry. Per-sample Python objects (answer strings, group ids, versi
 Micro-batches are built by `split(MicroBatchSpec)`: samples are spread over bins of balanced token
 counts under a token budget (`pack_bins`: as many bins as first-fit-decreasing needs, at least `n_mbs`,
 filled longest-first into the lightest bin), and `reorder` undoes the permutation so outputs come back
-in the original sample order.
+in the original sample order. Samples that stand next to each other with the same `PAIR` value (meta)
+are one unit: `split` (and `distributed.dp_slice`) never separate them, and keep their order.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from arealcli.schema.components.datasets import PAIR
 from arealcli.schema.components.engine import MicroBatchSpec
 
 # The key whose lengths define a sample's size for packing, when present.
@@ -101,6 +103,19 @@ class SequenceSample:
             return [1] * self.bs
         return [max(lens[i] for lens in self.seqlens.values()) for i in range(self.bs)]
 
+    def units(self) -> list[list[int]]:
+        """The sample indices that must stay together, in order: runs of consecutive samples with the
+        same `PAIR` value when the batch has that key, else every sample on its own."""
+        if PAIR not in self.meta:
+            return [[i] for i in range(self.bs)]
+        out: list[list[int]] = []
+        for i, pair in enumerate(self.meta[PAIR]):
+            if out and self.meta[PAIR][out[-1][-1]] == pair:
+                out[-1].append(i)
+            else:
+                out.append([i])
+        return out
+
     # ------------------------------------------------------------------ selection / merging
 
     def select(self, keys: list[str] | set[str]) -> SequenceSample:
@@ -164,8 +179,12 @@ class SequenceSample:
 
         `forward_indices` lists original sample indices in micro-batch order; `backward_indices` is
         its inverse, so `SequenceSample.gather(mbs).subset(backward_indices)` is the original order.
+        The units of `units()` (a preference pair) are packed whole, never split over micro-batches.
         """
-        bins = pack_bins(self.token_count(), mb_spec.n_mbs, mb_spec.max_tokens_per_mb)
+        units, tokens = self.units(), self.token_count()
+        sizes = [sum(tokens[i] for i in unit) for unit in units]
+        unit_bins = pack_bins(sizes, mb_spec.n_mbs, mb_spec.max_tokens_per_mb)
+        bins = [[i for u in b for i in units[u]] for b in unit_bins]  # units in order: sample order kept
         forward = [i for b in bins for i in b]
         backward = [0] * len(forward)
         for pos, i in enumerate(forward):

@@ -7,6 +7,10 @@ from pydantic import Field, PositiveInt, model_validator
 from arealcli.schema.base import StrictModel
 from arealcli.schema.registry import TOOLS
 
+# Meta key of the data protocol: the pair each sample of preference data belongs to (its chosen and
+# rejected responses stand next to each other with the same value, and stay together; runtime/data).
+PAIR = "pair"
+
 
 class DataSourceArgs(StrictModel):
     """Where rows come from: a local file or folder, or a dataset name from the Hugging Face cache."""
@@ -74,3 +78,31 @@ class ChatArgs(DataSourceArgs):
     """Conversations for multi-turn SFT: the loss is on the assistant's tokens only."""
 
     messages_key: str = Field("messages", description="Field holding the conversation [{role, content}].")
+
+
+class PreferenceArgs(DataSourceArgs):
+    """Preference pairs: a prompt with a chosen and a rejected response (text or chat messages)."""
+
+    prompt_key: str = Field(
+        "prompt",
+        description="Field holding the prompt: a text, or chat messages [{role, content}] (rendered with "
+        "the tokenizer's chat template).",
+    )
+    chosen_key: str = Field(
+        "chosen",
+        description="Field holding the preferred response: a text, or messages [{role: assistant, content}].",
+    )
+    rejected_key: str = Field(
+        "rejected",
+        description="Field holding the dispreferred response: a text, or messages [{role: assistant, content}].",
+    )
+    apply_chat_template: bool = Field(
+        False,
+        description="Render text rows with the chat template too: the prompt as a user message, each "
+        "response as an assistant message (rows given as messages always are).",
+    )
+    append_eos: bool = Field(
+        True,
+        description="End each text response with the tokenizer's EOS token (a chat template ends the "
+        "assistant's turn itself).",
+    )
