@@ -38,6 +38,11 @@ def toy_rows() -> list[dict[str, str]]:
     return rows  # 44 rows
 
 
+def toy_pairs() -> list[dict[str, str]]:
+    """Preference pairs of `toy_rows`: the next four letters chosen, the same letters backwards rejected."""
+    return [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": r["answer"][::-1]} for r in toy_rows()]
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -94,6 +99,44 @@ def sft_recipe(**update: Any) -> dict[str, Any]:
     return deep_merge(base, update)
 
 
+REF_CALL = {
+    "name": "ref_logprobs",
+    "model": "ref",
+    "interface": {"type_": "dpo"},
+    "type": "inference",
+    "inputs": ["packed_input_ids"],
+    "outputs": ["packed_ref_logprobs"],
+    "output_key_remap": {"packed_logprobs": "packed_ref_logprobs"},
+}
+DPO_INPUTS = ["packed_input_ids", "prompt_mask", "loss_mask", "pair", "packed_ref_logprobs"]
+
+
+def dpo_recipe(
+    dpo_args: dict[str, Any] | None = None, reference: bool = True, **update: Any
+) -> dict[str, Any]:
+    """A small DPO recipe (as data) over `pairs.jsonl` / `pairs_test.jsonl`: an actor, a frozen copy of it
+    as the reference, the reference's log-probs call, then the dpo call (2 micro-batches). Without
+    `reference` (a reference-free loss): the actor and the dpo call only."""
+    train = {
+        "name": "dpo",
+        "model": "actor",
+        "interface": {"type_": "dpo", "args": dpo_args or {"beta": 0.5}},
+        "type": "train_step",
+        "inputs": DPO_INPUTS if reference else [k for k in DPO_INPUTS if k != "packed_ref_logprobs"],
+        "mb_spec": {"n_mbs": 2},
+    }
+    base = sft_recipe(
+        experiment="tiny-dpo",
+        dataset={"type_": "preference", "args": {"path": "pairs.jsonl"}, "batch_size": 8},
+        dataflow={"calls": [REF_CALL, train] if reference else [train]},
+    )
+    base["models"] = {
+        "actor": base["models"]["default"],
+        **({"ref": {"init_from": "actor"}} if reference else {}),
+    }
+    return deep_merge(base, update)
+
+
 class Workspace:
     """A temporary directory holding toy data and the recipes a test writes."""
 
@@ -105,6 +148,20 @@ class Workspace:
     def recipe(self, name: str = "recipe.yaml", **update: Any) -> Path:
         path = self.root / name
         path.write_text(yaml.safe_dump(sft_recipe(**update), sort_keys=False))
+        return path
+
+    def dpo(
+        self,
+        name: str = "dpo.yaml",
+        dpo_args: dict[str, Any] | None = None,
+        reference: bool = True,
+        **update: Any,
+    ) -> Path:
+        """A DPO recipe over toy pairs (`dpo_recipe`), the pairs written beside it."""
+        write_jsonl(self.root / "pairs.jsonl", toy_pairs())
+        write_jsonl(self.root / "pairs_test.jsonl", toy_pairs()[::4])
+        path = self.root / name
+        path.write_text(yaml.safe_dump(dpo_recipe(dpo_args, reference, **update), sort_keys=False))
         return path
 
     def text(self, name: str, text: str) -> Path:

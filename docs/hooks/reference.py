@@ -25,6 +25,7 @@ KIND_TITLES = {
     "policy_losses": "Policy losses (`dataflow.actor.policy_loss`)",
     "advantages": "Advantage estimators (`dataflow.actor.adv_norm`)",
     "kl_estimators": "KL estimators (`dataflow.actor.kl_estimator`)",
+    "preference_losses": "Preference losses (the `dpo` interface's `loss`)",
 }
 
 

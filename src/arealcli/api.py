@@ -13,6 +13,8 @@
     register_advantage                     an advantage estimator: fn(scores, advantages, mask,
                                            group_ids, args) -> (B, T); `adv_norm: NAME`
     register_kl_estimator                  a per-token KL estimator: fn(logp, ref_logp); `kl_estimator`
+    register_preference_loss               a preference loss: fn(pairs, args) -> (loss, chosen_reward,
+                                           rejected_reward), each (P,); the dpo interface's `loss: NAME`
     make_interface, make_backend           build one from a `{type_, args}` spec
     SequenceSample, MicroBatchSpec, Model  the data protocol, micro-batch split, a model of the run
 """
@@ -40,6 +42,7 @@ from arealcli.schema.registry import (
     register_advantage,
     register_kl_estimator,
     register_policy_loss,
+    register_preference_loss,
     register_workflow,
 )
 
@@ -69,6 +72,7 @@ __all__ = [
     "register_interface",
     "register_kl_estimator",
     "register_policy_loss",
+    "register_preference_loss",
     "register_reward",
     "register_tool",
     "register_workflow",

@@ -23,6 +23,7 @@ from arealcli.schema.components.backends import (
 from arealcli.schema.components.datasets import PAIR, ChatArgs, PreferenceArgs, PromptAnswerArgs
 from arealcli.schema.components.interfaces import (
     RETURNS_OUTPUTS,
+    DPOArgs,
     PPOActorArgs,
     PPOCriticArgs,
     ReturnsArgs,
@@ -37,6 +38,7 @@ from arealcli.schema.registry import (
     INTERFACES,
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    PREFERENCE_LOSSES,
     REWARDS,
     TOOLS,
     WORKFLOWS,
@@ -59,6 +61,7 @@ def _interface(
     language_model: bool = False,
     learns_from_rewards: bool = False,
     trains_on_dataset: bool = False,
+    trains_on_pairs: bool = False,
     train_inputs: Iterable[str] = (),
 ) -> None:
     INTERFACES.add(
@@ -75,6 +78,7 @@ def _interface(
             language_model=language_model,
             learns_from_rewards=learns_from_rewards,
             trains_on_dataset=trains_on_dataset,
+            trains_on_pairs=trains_on_pairs,
             train_inputs=frozenset(train_inputs),
         )
     )
@@ -107,6 +111,17 @@ _interface(
     ["inference", "train_step"],
     value_head=True,
     train_inputs=RETURNS_OUTPUTS,
+)
+_interface(
+    "dpo",
+    f"{_R}.interfaces.dpo:DPOInterface",
+    DPOArgs,
+    DPOArgs.__doc__,
+    ["inference", "train_step"],
+    language_model=True,
+    trains_on_dataset=True,
+    trains_on_pairs=True,
+    train_inputs=[PAIR],  # and the reference's log-probs when the loss reads them: DPOArgs.train_inputs
 )
 _interface(
     "returns",
@@ -165,6 +180,21 @@ for _name, _fn, _doc in [
     ("abs", "abs_kl", "|log r| (biased, >= 0)."),
 ]:
     KL_ESTIMATORS.add(Entry(_name, f"{_V}:{_fn}", NoArgs, _doc, "builtin"))
+
+# Preference losses of the dpo interface (runtime/interfaces/preference_losses.py).
+_P = f"{_R}.interfaces.preference_losses"
+for _name, _doc, _free in [
+    (
+        "sigmoid",
+        "DPO: -log sigma(beta h), h the chosen-minus-rejected log-ratio (cDPO with label_smoothing).",
+        False,
+    ),
+    ("ipo", "IPO: (h / tokens - 1 / (2 beta))^2 on per-token log-ratios.", False),
+    ("hinge", "SLiC's hinge: max(0, 1 - beta h).", False),
+    ("robust", "Robust DPO (rDPO): unbiased under labels flipped with probability label_smoothing.", False),
+    ("simpo", "SimPO: no reference; length-normalized log-probs with a margin simpo_gamma.", True),
+]:
+    PREFERENCE_LOSSES.add(Entry(_name, f"{_P}:{_name}", NoArgs, _doc, "builtin", reference_free=_free))
 
 TRAINING = frozenset({"train", "forward", "generate"})
 GENERATION = frozenset({"generate", "update_weights"})

@@ -25,9 +25,15 @@ KINDS = (
     "policy_losses",
     "advantages",
     "kl_estimators",
+    "preference_losses",
 )
-# algorithm variants: the ppo_actor key that picks one by name
-PICKED_BY = {"policy_losses": "policy_loss", "advantages": "adv_norm", "kl_estimators": "kl_estimator"}
+# algorithm variants: the interface key that picks one by name (ppo_actor's, dpo's)
+PICKED_BY = {
+    "policy_losses": "policy_loss",
+    "advantages": "adv_norm",
+    "kl_estimators": "kl_estimator",
+    "preference_losses": "loss (dpo)",
+}
 
 
 def singular(kind: str) -> str:

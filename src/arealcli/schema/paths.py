@@ -131,6 +131,17 @@ def _kind_problem(full: Path, what: str) -> str | None:
     return None
 
 
+def _checkpoint_hint(path: str) -> str:
+    """For a run's checkpoint folder (`runs/x/checkpoints/step_N/model`): train that run first."""
+    run = re.match(r"(.*?)/?checkpoints/step_\d+", path)
+    if run is None:
+        return ""
+    return (
+        f"; it is a checkpoint of a run ({run.group(1) or '.'}): train that run first (its recipe's first "
+        "lines say how), or point at another folder"
+    )
+
+
 def path_problems(recipe: Recipe, recipe_dir: Path) -> list[PathProblem]:
     """Every local file or directory the recipe names that is missing or not what it should be."""
     wanted: list[tuple[Path_, str, str]] = []
@@ -159,7 +170,7 @@ def path_problems(recipe: Recipe, recipe_dir: Path) -> list[PathProblem]:
             hub = (
                 f", nor {path!r} in the Hugging Face cache ({hub_cache_dir()})" if REPO_ID.match(path) else ""
             )
-            out.append(PathProblem(where, f"{what} {full} does not exist{hub}", True))
+            out.append(PathProblem(where, f"{what} {full} does not exist{hub}{_checkpoint_hint(path)}", True))
         elif (problem := _kind_problem(found, what)) is not None:
             out.append(PathProblem(where, problem, False))
     return out

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from arealcli.schema.components.datasets import PAIR
 from arealcli.schema.recipe import CallSpec, Recipe, on_rollout_side
-from arealcli.schema.registry import INTERFACES
+from arealcli.schema.registry import INTERFACES, dataset_keys
 from arealcli.schema.source import Path_
 
 
@@ -39,9 +40,18 @@ def _minibatches(call: CallSpec) -> tuple[int, int]:
     return _count(getattr(args, "n_minibatches", 1)), _count(getattr(args, "sample_reuse", 1))
 
 
+def _pairs(recipe: Recipe) -> bool:
+    """Is the dataset one of preference pairs (two sequences per row: chosen, rejected)?"""
+    return PAIR in (dataset_keys({"type_": recipe.dataset.type_}) or ())
+
+
 def plan_lines(recipe: Recipe) -> list[str]:
     prompts, n = samples_per_step(recipe)
     lines = [f"batch: {prompts} prompts x {n} samples = {prompts * n} sequences per step"]
+    if _pairs(recipe):
+        lines = [
+            f"batch: {prompts} pairs = {2 * prompts} sequences per step (each a chosen and a rejected response)"
+        ]
     if recipe.rollout is None:
         lines.append("rollout: synchronous (every call in order, every step)")
     else:
@@ -57,7 +67,7 @@ def plan_lines(recipe: Recipe) -> list[str]:
         if call.type != "train_step":
             continue
         mbs, reuse = _minibatches(call)
-        size = prompts if _on_dataset(call) else prompts * n
+        size = (2 if _pairs(recipe) else 1) * prompts if _on_dataset(call) else prompts * n
         mb = call.mb_spec
         split = f">= {mb.n_mbs} micro-batch(es)" + (
             f" of <= {mb.max_tokens_per_mb} tokens" if mb.max_tokens_per_mb else ""

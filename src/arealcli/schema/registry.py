@@ -54,12 +54,15 @@ class Entry:
     language_model: bool = False  # it runs its model as a language model: it must have no value head
     learns_from_rewards: bool = False  # its train_step learns from rewards (metrics: reward, accuracy)
     trains_on_dataset: bool = False  # its train_step fits the dataset's sequences (one per prompt)
+    trains_on_pairs: bool = False  # its train_step learns from preference pairs (a `pair` dataset)
     train_inputs: frozenset[str] = frozenset()  # keys its train_step must be given (another call makes)
     # Rewards only: every score is 0 or 1 (held-out: an accuracy; otherwise the mean reward).
     binary: bool = False
     # Advantage estimators only: it compares the samples of one prompt (needs generation.n >= 2, and
     # sequence scores: the KL cannot be in the reward).
     group_based: bool = False
+    # Preference losses only: it reads no reference model's log-probs (SimPO).
+    reference_free: bool = False
 
     def load(self) -> Any:
         if isinstance(self.target, str):
@@ -140,6 +143,7 @@ WORKFLOWS = Registry("workflow")
 POLICY_LOSSES = Registry("policy loss")
 ADVANTAGES = Registry("advantage estimator")
 KL_ESTIMATORS = Registry("KL estimator")
+PREFERENCE_LOSSES = Registry("preference loss")  # the `dpo` interface's `loss`
 ALL = {
     "interfaces": INTERFACES,
     "backends": BACKENDS,
@@ -150,6 +154,7 @@ ALL = {
     "policy_losses": POLICY_LOSSES,
     "advantages": ADVANTAGES,
     "kl_estimators": KL_ESTIMATORS,
+    "preference_losses": PREFERENCE_LOSSES,
 }
 
 
@@ -223,6 +228,7 @@ def register_interface(
     language_model: bool = False,
     learns_from_rewards: bool = False,
     trains_on_dataset: bool = False,
+    trains_on_pairs: bool = False,
 ) -> type:
     """Register a ModelInterface subclass; its `Args` (a pydantic model) validates recipe args. The flags
     say what it is (see `Entry`); the checks, the batch plan and the progress line read them."""
@@ -240,6 +246,7 @@ def register_interface(
             language_model=language_model,
             learns_from_rewards=learns_from_rewards,
             trains_on_dataset=trains_on_dataset,
+            trains_on_pairs=trains_on_pairs,
         )
     )
     return cls
@@ -310,6 +317,18 @@ def register_kl_estimator(name: str, fn: Any) -> Any:
     """Register a per-token KL estimator `fn(logp, ref_logp) -> (B, T)`; the actor's KL loss picks it
     with `kl_estimator: NAME`."""
     KL_ESTIMATORS.add(Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?")))
+    return fn
+
+
+def register_preference_loss(name: str, fn: Any, reference_free: bool = False) -> Any:
+    """Register a preference loss `fn(pairs, args) -> (loss (P,), chosen_reward (P,), rejected_reward
+    (P,))`: `pairs` the summed log-probs of each pair's chosen and rejected response under the policy
+    (with gradients) and the reference, and their token counts (runtime/interfaces/preference_losses.py);
+    `args` the dpo interface's DPOArgs. `reference_free`: it reads no reference log-probs. The `dpo`
+    interface picks it with `loss: NAME`."""
+    PREFERENCE_LOSSES.add(
+        Entry(name, fn, NoArgs, _doc_line(fn), getattr(fn, "__module__", "?"), reference_free=reference_free)
+    )
     return fn
 
 

@@ -27,7 +27,12 @@ from arealcli.schema.checks.models import (
 )
 from arealcli.schema.checks.packages import check_packages
 from arealcli.schema.checks.placement import check_placement
-from arealcli.schema.checks.recipe import check_chat_workflows, check_eval_dataset, check_imports
+from arealcli.schema.checks.recipe import (
+    check_chat_workflows,
+    check_eval_dataset,
+    check_imports,
+    check_pair_data,
+)
 from arealcli.schema.checks.rollout import check_rollout
 from arealcli.schema.paths import REPO_ID
 from arealcli.schema.problems import Problem, RecipeInvalid, problems_from_validation_error
@@ -87,6 +92,7 @@ GRAPH_CHECKS = (
     check_placement,
     check_cluster,
     check_eval_dataset,
+    check_pair_data,
     check_packages,
 )
 

@@ -102,6 +102,18 @@ def run_calls(calls: list[Call], batch: SequenceSample, step: int) -> tuple[Sequ
     return batch, stats
 
 
+def feeding_calls(calls: list[Call], call: Call) -> list[Call]:
+    """The inference calls before `call` that make what its interface's `evaluate` reads besides the
+    dataset's keys (`eval_inputs`: dpo's reference log-probs), in order, to run on held-out batches too."""
+    wanted = set(getattr(call.interface, "eval_inputs", ()))
+    feeding: list[Call] = []
+    for c in reversed(calls[: calls.index(call)]):
+        if c.spec.type == "inference" and wanted & set(c.spec.outputs):
+            feeding.insert(0, c)
+            wanted |= set(c.spec.inputs)  # and what those read in turn
+    return feeding
+
+
 def call_gflop(call: Call, batch: SequenceSample) -> float | None:
     """Model GFLOPs this process computed in `call`, from the batch after it (models/flops.py): training
     counts forward and backward over its sequences (times the passes over the batch, PPO's

@@ -33,7 +33,7 @@ from arealcli.runtime.models.model import FinetuneSpec, Model, ModelSource, base
 from arealcli.runtime.models.weights import load_hf_weights, load_plain
 from arealcli.runtime.registry import make_backend, make_dataset, make_interface
 from arealcli.runtime.run import checkpoint as ckpt
-from arealcli.runtime.run.dataflow import Call, run_calls
+from arealcli.runtime.run.dataflow import Call, feeding_calls, run_calls
 from arealcli.runtime.run.metrics import JSONLSink, MetricLogger, WandbSink, tensorboard_sink
 from arealcli.runtime.run.rollout import RolloutProducer
 from arealcli.runtime.run.session import given_servers
@@ -427,7 +427,8 @@ class Trainer:
 
         Held-out metrics are named for what they measure (`eval/accuracy`, `eval/nll`,
         `eval/reward/<name>`), not for the call; a name two calls both report is kept apart as
-        `eval/<call>/<name>` for the later calls."""
+        `eval/<call>/<name>` for the later calls. The held-out batches pass first through the inference
+        calls that make what an interface's evaluate reads besides the data (`feeding_calls`)."""
         out: dict[str, float] = {}
         evaluated: set[int] = set()
         for call in self.calls:
@@ -436,7 +437,10 @@ class Trainer:
             evaluated.add(id(call.interface))
             assert self.eval_batches is not None  # areal check: evaluation needs an eval_dataset
             batches = self.eval_batches.all_batches(min_size=distributed.dp_world())
-            loader = map(distributed.dp_slice, batches)
+            loader: Any = map(distributed.dp_slice, batches)
+            feeding = feeding_calls(self.calls, call)  # dpo: the reference's log-probs of held-out pairs
+            if feeding:
+                loader = (run_calls(feeding, b, self.global_step)[0] for b in loader)
             samples = self.recipe.trainer.eval
             takes = samples is not None and "samples" in inspect.signature(call.interface.evaluate).parameters
             evaluate: Any = call.interface.evaluate  # `samples`: interfaces that sample (ppo_actor)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from arealcli.schema.checks.context import Graph, call_path
+from arealcli.schema.components.datasets import PAIR
+from arealcli.schema.components.interfaces import REF_LOGPROBS, RETURNS_OUTPUTS
 from arealcli.schema.problems import Problem
 from arealcli.schema.recipe import CallSpec
 from arealcli.schema.registry import INTERFACES, suggest
@@ -56,19 +58,41 @@ def check_optimizer(g: Graph, i: int, call: CallSpec) -> list[Problem]:
     return [Problem(("models", call.model, "backend", "args"), message)]
 
 
-def check_train_inputs(g: Graph, i: int, call: CallSpec) -> list[Problem]:
-    """A train_step is given the keys its interface trains on (the actor and critic: the returns')."""
+# Where the keys an interface trains on come from, said when a train_step call is not given them.
+_RETURNS = "made by a call of the `returns` interface before this one (the grpo and ppo presets add it)"
+MADE_BY = {
+    **dict.fromkeys(RETURNS_OUTPUTS, _RETURNS),
+    REF_LOGPROBS: "made by an inference call of the reference model before this one (its packed_logprobs "
+    "renamed: output_key_remap: {packed_logprobs: packed_ref_logprobs})",
+    PAIR: "given by a dataset of preference pairs (dataset.type_: preference)",
+}
+
+
+def train_inputs(g: Graph, i: int, call: CallSpec) -> frozenset[str]:
+    """The keys the call's interface trains on: its entry's, and those its args ask for (`dpo`: the
+    reference's log-probs unless its loss is reference-free)."""
     entry = INTERFACES.find(call.interface.type_)
-    if entry is None or call.type != "train_step":
+    wanted = entry.train_inputs if entry is not None else frozenset()
+    asked = getattr(g.typed.get(call_path(i, "interface")), "train_inputs", None)
+    return wanted | (frozenset(asked()) if callable(asked) else frozenset())
+
+
+def check_train_inputs(g: Graph, i: int, call: CallSpec) -> list[Problem]:
+    """A train_step is given the keys its interface trains on (the actor and critic: the returns'; dpo:
+    the pairs and the reference's log-probs), each group said with where it comes from."""
+    if call.type != "train_step":
         return []
-    missing = sorted(entry.train_inputs - set(call.inputs))
-    if not missing:
-        return []
-    message = (
-        f"interface {entry.name!r} trains on {', '.join(missing)}: add them to the inputs, made by a "
-        "call of the `returns` interface before this one (the grpo and ppo presets add it)"
-    )
-    return [Problem(call_path(i, "inputs"), message)]
+    missing = sorted(train_inputs(g, i, call) - set(call.inputs))
+    by_source: dict[str, list[str]] = {}
+    for key in missing:
+        by_source.setdefault(MADE_BY.get(key, "made by an earlier call"), []).append(key)
+    return [
+        Problem(
+            call_path(i, "inputs"),
+            f"interface {call.interface.type_!r} trains on {', '.join(keys)}: add them to the inputs, {source}",
+        )
+        for source, keys in by_source.items()
+    ]
 
 
 def check_outputs_once(g: Graph, i: int, call: CallSpec) -> list[Problem]:

@@ -1,14 +1,16 @@
-"""Recipe-wide rules: the plugin `imports:`, evaluation's data, the function_calling workflow's needs."""
+"""Recipe-wide rules: the plugin `imports:`, evaluation's data, preference pairs for the interfaces that
+learn from them (and for no other), the function_calling workflow's needs."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from arealcli.schema.checks.context import Graph
+from arealcli.schema.checks.context import Graph, call_path
+from arealcli.schema.components.datasets import PAIR
 from arealcli.schema.problems import Problem
 from arealcli.schema.recipe import Recipe
-from arealcli.schema.registry import import_plugins
+from arealcli.schema.registry import INTERFACES, dataset_keys, import_plugins
 from arealcli.schema.source import mapping_at
 
 _MODULE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -36,6 +38,38 @@ def check_eval_dataset(g: Graph) -> list[Problem]:
     if trainer.get("eval_every_n_steps") is None or g.data.get("eval_dataset") is not None:
         return []
     return [Problem(("trainer", "eval_every_n_steps"), "evaluation needs an `eval_dataset`")]
+
+
+def check_pair_data(g: Graph) -> list[Problem]:
+    """An interface that learns from preference pairs (dpo) trains and is evaluated on a dataset of pairs;
+    any other trains and is evaluated on one without (SFT on pairs would learn the rejected responses)."""
+    problems = []
+    evaluated = mapping_at(g.data, "trainer").get("eval_every_n_steps") is not None
+    for section in ("dataset", "eval_dataset") if evaluated else ("dataset",):
+        keys = g.dataset_keys if section == "dataset" else dataset_keys(g.data.get(section))
+        if keys is None:
+            continue  # an unknown type, or none: said elsewhere
+        for i, call in enumerate(g.calls):
+            entry = INTERFACES.find(call.interface.type_)
+            if entry is None or call.type != "train_step" or entry.trains_on_pairs == (PAIR in keys):
+                continue
+            message = _pair_mismatch(entry.name, entry.trains_on_pairs, section, g.data[section].get("type_"))
+            problems.append(Problem(call_path(i, "interface", "type_"), message, entry.name))
+    return problems
+
+
+def _pair_mismatch(interface: str, learns_from_pairs: bool, section: str, kind: str) -> str:
+    if learns_from_pairs:
+        return (
+            f"interface {interface!r} learns from preference pairs, and the {section} ({kind}) has none: "
+            "give it a dataset of type preference"
+        )
+    pairwise = " or ".join(e.name for e in INTERFACES.entries() if e.trains_on_pairs)
+    return (
+        f"the {section} ({kind}) holds preference pairs, which interface {interface!r} does not learn from "
+        f"(SFT would learn the rejected responses too): train on pairs with {pairwise}, or give a dataset "
+        "of prompts (prompt_answer, chat)"
+    )
 
 
 def check_chat_workflows(recipe: Recipe) -> list[Problem]:

@@ -7,8 +7,16 @@ from typing import Literal
 from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 
 from arealcli.schema.base import Abstraction, StrictModel
+from arealcli.schema.components.datasets import PAIR
 from arealcli.schema.components.engine import GenerationHyperparameters
-from arealcli.schema.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES, REWARDS, WORKFLOWS
+from arealcli.schema.registry import (
+    ADVANTAGES,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    PREFERENCE_LOSSES,
+    REWARDS,
+    WORKFLOWS,
+)
 
 
 def _registered_reward(name: str | None) -> str | None:
@@ -33,6 +41,9 @@ class SFTArgs(StrictModel):
 # What the `returns` call makes and the actor's and critic's updates read: rewards become advantages
 # and returns once, with one KL controller (`kl_coef` is per-sample meta).
 RETURNS_OUTPUTS = ("advantages", "returns", "seq_scores", "kl_coef")
+# The reference model's per-token log-probs: an inference call of the reference, its `packed_logprobs`
+# renamed (output_key_remap), read by the actor's KL term and by dpo's loss.
+REF_LOGPROBS = "packed_ref_logprobs"
 
 
 class RewardShaping(StrictModel):
@@ -271,3 +282,61 @@ class RewardArgs(StrictModel):
     reward_fn: str = Field("math", description="Registered reward function (see `areal list rewards`).")
 
     _known = field_validator("reward_fn")(_registered_reward)
+
+
+# the built-in losses that would ignore each of these arguments (a plugin's loss reads what it likes)
+_IGNORED_BY = {"label_smoothing": ("ipo", "hinge"), "simpo_gamma": ("sigmoid", "ipo", "hinge", "robust")}
+
+
+class DPOArgs(StrictModel):
+    """Direct preference optimization on pairs (chosen, rejected) against a frozen reference model."""
+
+    loss: str = Field(
+        "sigmoid",
+        description="Preference loss, by name (areal list preference_losses): sigmoid (DPO), ipo, hinge, "
+        "robust (rDPO), simpo (no reference), or one a plugin registers.",
+    )
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="beta: how far the policy may move from the reference (a larger beta keeps it closer); "
+        "the implicit reward of a response is beta * (log pi - log pi_ref). IPO's tau; SimPO's beta.",
+    )
+    label_smoothing: float = Field(
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="The probability that a pair's label is flipped: sigmoid becomes conservative DPO "
+        "(cDPO), robust the unbiased rDPO; simpo smooths like sigmoid. 0: labels trusted.",
+    )
+    simpo_gamma: float = Field(
+        0.5, ge=0, description="SimPO's target reward margin gamma (loss: simpo only)."
+    )
+    lr_scale: float = Field(
+        1.0, gt=0, description="Multiplier on the backend's learning rate for this interface's updates."
+    )
+
+    @field_validator("loss")
+    @classmethod
+    def _registered_loss(cls, name: str) -> str:
+        return PREFERENCE_LOSSES.validated(name).name
+
+    @model_validator(mode="after")
+    def _used(self) -> DPOArgs:
+        """An argument the loss ignores, set away from its default, is a mistake worth saying."""
+        for name, losses in _IGNORED_BY.items():
+            if self.loss in losses and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(
+                    f"loss {self.loss} does not use {name}; drop it (label_smoothing: sigmoid, robust, "
+                    "simpo; simpo_gamma: simpo)"
+                )
+        return self
+
+    def needs_reference(self) -> bool:
+        """Does the loss read the reference model's log-probs (every built-in loss but simpo)?"""
+        entry = PREFERENCE_LOSSES.find(self.loss)
+        return entry is None or not entry.reference_free
+
+    def train_inputs(self) -> frozenset[str]:
+        """The keys the train_step call must be given: the pairs, and the reference's log-probs."""
+        return frozenset({PAIR, REF_LOGPROBS} if self.needs_reference() else {PAIR})
