@@ -123,8 +123,8 @@ def test_bad_rows_are_named_with_file_and_line(char_tok, tmp_path, row, message)
 
 
 def test_bad_rows_stop_training_with_exit_2(ws, cli):
+    recipe = ws.dpo(dataset={"batch_size": 2})
     write_jsonl(ws.root / "pairs.jsonl", [*ROWS * 4, {"prompt": "1+1=", "chosen": "2"}])
-    recipe = ws.recipe(dataset={"type_": "preference", "args": {"path": "pairs.jsonl"}, "batch_size": 2})
     result = cli("train", recipe, "-o", ws.root / "run")
     assert result.exit_code == 2, result.output
     assert "pairs.jsonl:13: row has no 'rejected' field" in result.stderr
