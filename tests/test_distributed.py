@@ -410,3 +410,36 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_dpo_over_two_fsdp_processes_matches_one_process(ws):
+    """The same 4 DPO steps (8 pairs a step, shuffled, 2 micro-batches per rank) on hf in this process and
+    on fsdp over 2 processes (4 pairs each, the reference sharded too): the same losses, held-out
+    preference metrics and weights."""
+    eval_pairs = {"type_": "preference", "args": {"path": "pairs_test.jsonl"}, "batch_size": 11}
+    trainer = {"max_steps": 4, "eval_every_n_steps": 4, "tensorboard": False}
+    one = ws.dpo("hf.yaml", eval_dataset=eval_pairs, trainer=trainer)
+    fsdp = {
+        "actor": {"backend": {"type_": "fsdp"}},
+        "ref": {"backend": {"type_": "fsdp", "args": {"device": "cpu"}}},
+    }
+    two = ws.dpo("fsdp.yaml", models=fsdp, eval_dataset=eval_pairs, trainer=trainer)
+    from typer.testing import CliRunner
+
+    from arealcli.main import app
+
+    result = CliRunner().invoke(app, ["train", str(one), "-o", str(ws.root / "one")])
+    assert result.exit_code == 0, result.output
+    ok(areal("train", two, "-o", ws.root / "two", "--nproc-per-node", 2, cwd=ws.root))
+    a, b = metrics(ws.root / "one"), metrics(ws.root / "two")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b, strict=True):
+        for key in ("dpo/loss", "dpo/rewards/margins", "dpo/logps/chosen", "dpo/rewards/accuracies"):
+            assert rb[key] == pytest.approx(ra[key], abs=1e-4), (ra["step"], key)
+    for key in ("eval/loss", "eval/rewards/accuracies", "eval/rewards/margins"):
+        assert b[-1][key] == pytest.approx(a[-1][key], abs=1e-4), key
+    wa, wb = weights(ws.root / "one", 4, "actor"), weights(ws.root / "two", 4, "actor")
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-4, rtol=0, msg=k)
+    assert a[0]["dpo/loss"] != a[-1]["dpo/loss"]  # it trained

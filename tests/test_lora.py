@@ -5,6 +5,7 @@ base with adapters off, and GRPO on adapters moves the policy the right way."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -276,3 +277,31 @@ def test_lora_on_fsdp_over_two_processes(ws):
     rows = [json.loads(x) for x in (ws.root / "grpo" / "metrics.jsonl").read_text().splitlines()]
     kls = [r["returns/kl_ref"] for r in rows if "returns/kl_ref" in r]
     assert len(kls) == 3 and any(abs(k) > 1e-4 for k in kls)  # the adapters moved the actor off its base
+
+
+def test_dpo_on_adapters_against_the_base_with_adapters_off(ws):
+    """DPO with LoRA: the reference is the actor's own base (`base_of`, no second copy); at the start the
+    policy is its reference (held-out loss log 2), only the adapters move, and the preferences are learnt."""
+    path = ws.dpo(
+        models={
+            "actor": {"backend": {"args": {"lora": LORA, "optimizer": {"lr": 2e-2}}}},
+            "ref": {"init_from": None, "base_of": "actor"},
+        },
+        eval_dataset={"type_": "preference", "args": {"path": "pairs_test.jsonl"}, "batch_size": 11},
+        trainer={"total_train_epochs": 3, "eval_every_n_steps": 15, "eval_at_start": True},
+    )
+    trainer = Trainer(validate(load_recipe_source(path)), path.parent, ws.root / "run")
+    trainer.setup()
+    assert trainer.models["ref"].module.engine is trainer.models["actor"].module  # one copy of the weights
+    params = dict(trainer.models["actor"].module.module.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
+    assert changed == {n for n, p in params.items() if p.requires_grad} and all("lora_" in n for n in changed)
+    rows = [json.loads(x) for x in (ws.root / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
+    assert evals[0] == pytest.approx(math.log(2), abs=1e-6) and evals[-1] < 0.9 * math.log(2), evals
+    assert rows[-1]["eval/rewards/accuracies"] > 0.5

@@ -62,9 +62,16 @@ def test_sft_loss_and_eval_nll_fall(ws, cli):
 # --------------------------------------------------------------------------- resume
 
 
-def test_resume_is_exact(ws, cli):
-    # Shuffled data, warmup + cosine LR, AdamW state and two micro-batches: resume must restore them all.
-    recipe = ws.recipe(trainer={"total_train_epochs": 2, "max_steps": 6, "save_every_n_steps": 3})
+RESUMED = {"sft": ("default", "sft/loss"), "dpo": ("actor", "dpo/loss")}  # the trained model, its loss
+
+
+@pytest.mark.parametrize("algo", list(RESUMED))
+def test_resume_is_exact(ws, cli, algo):
+    # Shuffled data, warmup + cosine LR, AdamW state and two micro-batches: resume must restore them all
+    # (dpo: and the frozen reference, built again from the actor's initial weights).
+    trainer = {"total_train_epochs": 2, "max_steps": 6, "save_every_n_steps": 3}
+    recipe = ws.recipe(trainer=trainer) if algo == "sft" else ws.dpo(trainer=trainer)
+    model, loss = RESUMED[algo]
     full, crashed = ws.root / "full", ws.root / "crashed"
     train_ok(cli, recipe, "-o", full)
 
@@ -76,17 +83,17 @@ def test_resume_is_exact(ws, cli):
     result = train_ok(cli, recipe, "-o", crashed, "--resume")
     assert "resuming" in result.stdout and "(step 3)" in result.stdout
 
-    a, b = weights(full, 6), weights(crashed, 6)
+    a, b = weights(full, 6, model), weights(crashed, 6, model)
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
     # And the run did move: step 3 and step 6 differ, and every logged loss matches.
-    assert any(not torch.equal(a[k], weights(full, 3)[k]) for k in a)
-    full_loss = {r["step"]: r["sft/loss"] for r in metrics(full)}
-    resumed_loss = {r["step"]: r["sft/loss"] for r in metrics(crashed)}  # step 4 is logged twice
+    assert any(not torch.equal(a[k], weights(full, 3, model)[k]) for k in a)
+    full_loss = {r["step"]: r[loss] for r in metrics(full)}
+    resumed_loss = {r["step"]: r[loss] for r in metrics(crashed)}  # step 4 is logged twice
     assert full_loss == resumed_loss
-    opt_a = torch.load(full / "checkpoints/step_00000006/default/engine_state.pt", weights_only=True)
-    opt_b = torch.load(crashed / "checkpoints/step_00000006/default/engine_state.pt", weights_only=True)
+    opt_a = torch.load(full / f"checkpoints/step_00000006/{model}/engine_state.pt", weights_only=True)
+    opt_b = torch.load(crashed / f"checkpoints/step_00000006/{model}/engine_state.pt", weights_only=True)
     for sa, sb in zip(
         opt_a["optimizer"]["state"].values(), opt_b["optimizer"]["state"].values(), strict=True
     ):
