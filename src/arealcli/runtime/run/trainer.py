@@ -39,6 +39,7 @@ from arealcli.runtime.run.rollout import RolloutProducer
 from arealcli.runtime.run.session import given_servers
 from arealcli.runtime.run.targets import step_of
 from arealcli.runtime.run.weight_sync import WeightSync
+from arealcli.schema.components.datasets import PAIR
 from arealcli.schema.recipe import ModelSpec, Recipe, on_rollout_side
 
 
@@ -387,6 +388,7 @@ class Trainer:
             for c in r.dataflow.calls
         )
         t = r.trainer
+        rows = "pairs" if PAIR in getattr(self.dataset, "provides", ()) else "prompts"  # preference data
         cadence = [f"{self.total_steps} steps"]
         if t.eval_every_n_steps:
             cadence.append(f"eval every {t.eval_every_n_steps}")
@@ -397,7 +399,7 @@ class Trainer:
             ("run dir", str(self.run_dir)),
             ("models", "; ".join(models)),
             ("dataflow", calls),
-            ("steps", ", ".join(cadence) + f"; batch {r.dataset.batch_size} prompts; world {self.world}"),
+            ("steps", ", ".join(cadence) + f"; batch {r.dataset.batch_size} {rows}; world {self.world}"),
         ]
         if r.rollout is not None:
             lines.append(("rollout", f"asynchronous, max_staleness {r.rollout.max_staleness}"))
