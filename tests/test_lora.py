@@ -288,7 +288,7 @@ def test_dpo_on_adapters_against_the_base_with_adapters_off(ws):
             "ref": {"init_from": None, "base_of": "actor"},
         },
         eval_dataset={"type_": "preference", "args": {"path": "pairs_test.jsonl"}, "batch_size": 11},
-        trainer={"total_train_epochs": 3, "eval_every_n_steps": 15, "eval_at_start": True},
+        trainer={"total_train_epochs": 2, "eval_every_n_steps": 10, "eval_at_start": True},
     )
     trainer = Trainer(validate(load_recipe_source(path)), path.parent, ws.root / "run")
     trainer.setup()

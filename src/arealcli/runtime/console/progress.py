@@ -30,7 +30,8 @@ __all__ = ["ConsoleProgress", "ProgressLine", "clock", "default_metrics", "heade
 def default_metrics(calls: Iterable) -> list[str]:
     """The headline metrics of a dataflow, most important first: the rewards of the calls that learn
     from them and the held-out scores (`eval/accuracy`, `eval/reward/<name>`), an agent's tool use,
-    then losses (SFT, a critic) and the held-out NLL (`eval/<call>/...` when two calls report one).
+    then losses (SFT, a critic; dpo with its preference accuracy, held out too) and the held-out NLL
+    (`eval/<call>/...` when two calls report one).
     A key ending in `*` stands for every key that starts with the rest."""
     rl: list[str] = []
     tools: list[str] = []
