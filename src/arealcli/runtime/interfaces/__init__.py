@@ -1,5 +1,6 @@
-"""Model interfaces: the algorithms (sft, ppo_actor, ppo_critic, reward, returns) over engines;
-next-token log-probs and entropy of packed sequences (token_logprobs).
+"""Model interfaces: the algorithms (sft, ppo_actor, ppo_critic, reward, returns, dpo) over engines;
+next-token log-probs and entropy of packed sequences (token_logprobs); the algorithm variants picked by
+name (variants, preference_losses).
 
 Layer 5 of runtime/__init__.py's table: it imports only folders of lower layers.
 """
