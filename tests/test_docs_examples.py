@@ -102,8 +102,13 @@ def matches(expected: str, output: str) -> bool:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """A scratch folder that looks like the repository to a user: recipes/, data/, examples/."""
+    import shutil
+
     root = tmp_path_factory.mktemp("docs-examples")
-    for name in ("recipes", "data", "examples"):
+    # recipes/ is a copy: a recipe's relative paths (../runs/... of a run an earlier command made) resolve
+    # from the recipe's real folder, which must be this one, as in a user's clone
+    shutil.copytree(REPO / "recipes", root / "recipes")
+    for name in ("data", "examples"):
         (root / name).symlink_to(REPO / name)
     return root
 
