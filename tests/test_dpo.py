@@ -227,7 +227,7 @@ def test_check_names_a_missing_sft_checkpoint(ws, cli):
     assert "runs/sft/checkpoints/step_00000280/default does not exist" in result.stderr
     result = cli("train", recipe, "-o", ws.root / "run")
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "does not exist" in result.stderr and "a checkpoint of a run" in result.stderr
+    assert "does not exist" in result.stderr and "a checkpoint of the run" in result.stderr
 
 
 def test_list_shows_the_interface_its_losses_and_the_dataset(cli):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import textwrap
@@ -17,6 +18,7 @@ from arealcli.runtime.run.trainer import Trainer
 from arealcli.schema.source import load_recipe_source
 from arealcli.schema.validate import validate
 from tests.conftest import train_until_crash
+from tests.test_reward_model import reward_model_recipe
 
 EVAL = {"type_": "prompt_answer", "args": {"path": "test.jsonl"}, "batch_size": 16}
 
@@ -62,16 +64,20 @@ def test_sft_loss_and_eval_nll_fall(ws, cli):
 # --------------------------------------------------------------------------- resume
 
 
-RESUMED = {"sft": ("default", "sft/loss"), "dpo": ("actor", "dpo/loss")}  # the trained model, its loss
+# The trained model, its loss, and how its recipe is made (dpo: the frozen reference is built again
+# from the actor's initial weights on resume).
+RESUMED = {
+    "sft": ("default", "sft/loss", lambda ws: ws.recipe),
+    "dpo": ("actor", "dpo/loss", lambda ws: ws.dpo),
+    "reward_model": ("default", "reward_train/loss", lambda ws: functools.partial(reward_model_recipe, ws)),
+}
 
 
 @pytest.mark.parametrize("algo", list(RESUMED))
 def test_resume_is_exact(ws, cli, algo):
-    # Shuffled data, warmup + cosine LR, AdamW state and two micro-batches: resume must restore them all
-    # (dpo: and the frozen reference, built again from the actor's initial weights).
-    trainer = {"total_train_epochs": 2, "max_steps": 6, "save_every_n_steps": 3}
-    recipe = ws.recipe(trainer=trainer) if algo == "sft" else ws.dpo(trainer=trainer)
-    model, loss = RESUMED[algo]
+    # Shuffled data, warmup + cosine LR, AdamW state and two micro-batches: resume must restore them all.
+    model, loss, make = RESUMED[algo]
+    recipe = make(ws)(trainer={"total_train_epochs": 2, "max_steps": 6, "save_every_n_steps": 3})
     full, crashed = ws.root / "full", ws.root / "crashed"
     train_ok(cli, recipe, "-o", full)
 

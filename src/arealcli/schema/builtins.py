@@ -20,14 +20,16 @@ from arealcli.schema.components.backends import (
     SGLangBackendArgs,
     VLLMBackendArgs,
 )
-from arealcli.schema.components.datasets import PAIR, ChatArgs, PreferenceArgs, PromptAnswerArgs
+from arealcli.schema.components.datasets import MARGIN, PAIR, ChatArgs, PreferenceArgs, PromptAnswerArgs
 from arealcli.schema.components.interfaces import (
     RETURNS_OUTPUTS,
     DPOArgs,
+    ModelRewardArgs,
     PPOActorArgs,
     PPOCriticArgs,
     ReturnsArgs,
     RewardArgs,
+    RewardModelArgs,
     SFTArgs,
 )
 from arealcli.schema.components.workflows import FunctionCallingArgs, ToolUseArgs
@@ -58,6 +60,7 @@ def _interface(
     *,
     training_side: bool = False,
     value_head: bool = False,
+    trained_head: bool = False,
     language_model: bool = False,
     learns_from_rewards: bool = False,
     trains_on_dataset: bool = False,
@@ -75,6 +78,7 @@ def _interface(
             needs_model,
             training_side=training_side,
             value_head=value_head,
+            trained_head=trained_head,
             language_model=language_model,
             learns_from_rewards=learns_from_rewards,
             trains_on_dataset=trains_on_dataset,
@@ -116,12 +120,33 @@ _interface(
     "dpo",
     f"{_R}.interfaces.dpo:DPOInterface",
     DPOArgs,
+    ModelRewardArgs,
     DPOArgs.__doc__,
     ["inference", "train_step"],
     language_model=True,
     trains_on_dataset=True,
     trains_on_pairs=True,
     train_inputs=[PAIR],  # and the reference's log-probs when the loss reads them: DPOArgs.train_inputs
+)
+_interface(
+    "reward_model",
+    f"{_R}.interfaces.reward_model:RewardModelInterface",
+    RewardModelArgs,
+    RewardModelArgs.__doc__,
+    ["train_step"],
+    value_head=True,
+    trains_on_dataset=True,
+    trains_on_pairs=True,
+    train_inputs=[PAIR, MARGIN],
+)
+_interface(
+    "rm_reward",
+    f"{_R}.interfaces.reward_model:ModelRewardInterface",
+    ModelRewardArgs,
+    ModelRewardArgs.__doc__,
+    ["inference"],
+    value_head=True,
+    trained_head=True,
 )
 _interface(
     "returns",
@@ -218,7 +243,7 @@ PROMPT_ANSWER_KEYS = frozenset(
     {"packed_input_ids", "prompt_mask", "loss_mask", "packed_prompts", "prompt", "answers"}
 )
 CHAT_KEYS = frozenset({"packed_input_ids", "prompt_mask", "loss_mask", "prompt"})
-PREFERENCE_KEYS = frozenset({"packed_input_ids", "prompt_mask", "loss_mask", PAIR, "prompt"})
+PREFERENCE_KEYS = frozenset({"packed_input_ids", "prompt_mask", "loss_mask", PAIR, "prompt", MARGIN})
 _DATASETS: list[tuple[str, str, type[BaseModel], frozenset[str]]] = [
     ("prompt_answer", "datasets:PromptAnswerDataset", PromptAnswerArgs, PROMPT_ANSWER_KEYS),
     ("chat", "datasets:ChatDataset", ChatArgs, CHAT_KEYS),

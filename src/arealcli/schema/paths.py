@@ -8,12 +8,14 @@ empty folder as a tokenizer) or cannot be used at all (`~nosuchuser/x`) is an er
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from arealcli.schema.recipe import Recipe
+from arealcli.schema.registry import INTERFACES
 from arealcli.schema.source import Path_
 
 # Files one of which an HF tokenizer directory holds.
@@ -124,30 +126,78 @@ def _kind_problem(full: Path, what: str) -> str | None:
         return None
     if not full.is_dir():
         return f"{what} {full} is a file; give the directory (a Hugging Face model folder)"
-    if what == "model directory" and not (full / "config.json").is_file():
+    if what in ("model directory", REWARD_MODEL) and not (full / "config.json").is_file():
         return f"{what} {full} has no config.json; is it a Hugging Face model folder?"
+    if what == REWARD_MODEL:
+        return _not_a_reward_model(full)
     if what == "tokenizer directory" and not any((full / f).is_file() for f in TOKENIZER_FILES):
         return f"{what} {full} has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...)"
     return None
 
 
-def _checkpoint_hint(path: str) -> str:
-    """For a run's checkpoint folder (`runs/x/checkpoints/step_N/model`): train that run first."""
-    run = re.match(r"(.*?)/?checkpoints/step_\d+", path)
-    if run is None:
-        return ""
+REWARD_MODEL = "reward model directory"  # a model folder holding a trained reward model (rm_reward's)
+
+
+def _not_a_reward_model(full: Path) -> str | None:
+    """Why a model folder is not a saved reward model (a sequence classifier with a trained head)."""
+    try:
+        architectures = json.loads((full / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return f"{REWARD_MODEL} {full}: its config.json is not readable JSON"
+    if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        return None
     return (
-        f"; it is a checkpoint of a run ({run.group(1) or '.'}): train that run first (its recipe's first "
-        "lines say how), or point at another folder"
+        f"{full} is not a reward model (its config.json names {architectures or 'no architecture'}, not a "
+        "...ForSequenceClassification): give a checkpoint or export of a model trained with the "
+        "reward_model interface (e.g. recipes/rm-quickstart.yaml)"
     )
+
+
+def _trained_heads(recipe: Recipe) -> set[str]:
+    """The models some call scores responses with (their head must come trained)."""
+    out = set()
+    for call in recipe.dataflow.calls:
+        entry = INTERFACES.find(call.interface.type_)
+        if entry is not None and entry.trained_head and call.model is not None:
+            out.add(call.model)
+    return out
+
+
+def _run_hint(full: Path, recipe_dir: Path) -> str:
+    """For a missing path inside a run's checkpoints (`RUN/checkpoints/...`): that the run must be trained
+    first, and with which recipe when one beside this recipe names that experiment."""
+    parts = full.parts
+    if "checkpoints" not in parts[1:]:
+        return ""
+    run = Path(*parts[: parts.index("checkpoints")])
+    hint = f": a checkpoint of the run {_shown(run)}, which is not trained yet (or not that far)"
+    for candidate in sorted(recipe_dir.glob("*.yaml")):
+        try:
+            text = candidate.read_text(errors="replace")
+        except OSError:
+            continue
+        if re.search(rf"^experiment:\s*['\"]?{re.escape(run.name)}['\"]?\s*(#.*)?$", text, re.MULTILINE):
+            return f"{hint}; run `areal train {_shown(candidate)}` first"
+    return hint + "; train that run first"
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the current directory when it is below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(path.resolve())
 
 
 def path_problems(recipe: Recipe, recipe_dir: Path) -> list[PathProblem]:
     """Every local file or directory the recipe names that is missing or not what it should be."""
     wanted: list[tuple[Path_, str, str]] = []
+    scorers = _trained_heads(recipe)
     for name, m in recipe.models.items():
         if m.path:
-            wanted.append((("models", name, "path"), m.path, "model directory"))
+            wanted.append(
+                (("models", name, "path"), m.path, REWARD_MODEL if name in scorers else "model directory")
+            )
     if recipe.tokenizer is not None and recipe.tokenizer.path:
         wanted.append((("tokenizer", "path"), recipe.tokenizer.path, "tokenizer directory"))
     for key in ("dataset", "eval_dataset"):
@@ -170,7 +220,8 @@ def path_problems(recipe: Recipe, recipe_dir: Path) -> list[PathProblem]:
             hub = (
                 f", nor {path!r} in the Hugging Face cache ({hub_cache_dir()})" if REPO_ID.match(path) else ""
             )
-            out.append(PathProblem(where, f"{what} {full} does not exist{hub}{_checkpoint_hint(path)}", True))
+            hint = _run_hint(full, recipe_dir) if what.endswith("directory") else ""
+            out.append(PathProblem(where, f"{what} {full} does not exist{hub}{hint}", True))
         elif (problem := _kind_problem(found, what)) is not None:
             out.append(PathProblem(where, problem, False))
     return out

@@ -4,7 +4,7 @@
       preset: grpo               # sft | grpo | ppo
       actor: {...}               # ppo_actor args (generation, clipping, normalization, ...)
       critic: {...}              # ppo_critic args (ppo only)
-      reward: {reward_fn: math}  # reward interface args
+      reward: {reward_fn: math}  # reward interface args; or {model: NAME}: a trained reward model scores
       shaping: {...}             # reward shaping + KL (the returns call's; the actor's loss reads kl_in_reward)
       mb_spec: {...}             # micro-batch split of every call
       sft_warmup_steps: 0        # SFT on the actor's dataset answers before RL starts
@@ -165,8 +165,15 @@ def _generate(g: _RL) -> None:
 
 
 def _reward(g: _RL) -> None:
+    """The rule reward (`reward: {reward_fn: math}`), or a trained reward model of the recipe scoring
+    each sample (`reward: {model: NAME}`: interface rm_reward on that model)."""
+    args = dict(g.df.get("reward") or {})
+    model = args.pop("model", None)
+    if model is not None:
+        inputs = ["packed_input_ids", "prompt_mask", *g.episode]
+        g.add("reward", _call("reward", model, "rm_reward", args, "inference", inputs, ["rewards"]))
+        return
     inputs = ["packed_input_ids", "prompt_mask", "answers", *g.episode]
-    args = g.df.get("reward") or {}
     g.add("reward", _call("reward", None, "reward", args, "inference", inputs, ["rewards"]))
 
 
@@ -258,7 +265,11 @@ class PresetSpec(StrictModel):
     preset: str = Field(description="sft, grpo or ppo.")
     actor: dict[str, Any] | None = Field(None, description="ppo_actor args.")
     critic: dict[str, Any] | None = Field(None, description="ppo_critic args (ppo).")
-    reward: dict[str, Any] | None = Field(None, description="reward interface args.")
+    reward: dict[str, Any] | None = Field(
+        None,
+        description="reward interface args ({reward_fn: NAME}), or {model: NAME}: a trained reward model of "
+        "the recipe scores each sample (interface rm_reward).",
+    )
     shaping: dict[str, Any] | None = Field(
         None, description="Reward shaping + KL (the returns call's, computed once for actor and critic)."
     )

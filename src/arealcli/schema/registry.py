@@ -51,6 +51,7 @@ class Entry:
     capabilities: frozenset[str] = frozenset(BACKEND_CAPABILITIES)
     # Interfaces only: what the checks, the batch plan and the progress line need to know of them.
     value_head: bool = False  # its model is a critic: it must have a value head
+    trained_head: bool = False  # and that head must come trained (a reward model's checkpoint: `path`)
     language_model: bool = False  # it runs its model as a language model: it must have no value head
     learns_from_rewards: bool = False  # its train_step learns from rewards (metrics: reward, accuracy)
     trains_on_dataset: bool = False  # its train_step fits the dataset's sequences (one per prompt)

@@ -21,6 +21,7 @@ from arealcli.schema.checks.context import graph_of
 from arealcli.schema.checks.lora import check_lora
 from arealcli.schema.checks.models import (
     check_init_from,
+    check_trained_heads,
     check_unused_models,
     check_value_heads,
     check_weights_from,
@@ -85,6 +86,7 @@ GRAPH_CHECKS = (
     check_unused_models,
     check_weights_from,
     check_value_heads,
+    check_trained_heads,
     check_lora,
     check_call_capabilities,
     check_followers_load_weights,

@@ -27,7 +27,8 @@ def eval_table(reports: list[tuple[str, dict[str, Any], list]]) -> list[tuple[An
     table = Table()
     if len(reports) == 1:
         label, metrics, results = reports[0]
-        out.append((Text(f"{label}: {len(results)} prompts"), True))
+        unit = type(results[0]).UNIT if results else "prompts"  # prompts, or a reward model's pairs
+        out.append((Text(f"{label}: {len(results)} {unit}"), True))
         table.add_column("metric")
         table.add_column("value", justify="right")
         table.add_column("95% interval", justify="right")

@@ -45,6 +45,8 @@ def default_metrics(calls: Iterable) -> list[str]:
         entry = INTERFACES.find(c.interface.type_)
         if entry is not None and entry.learns_from_rewards:
             rl += [f"{c.name}/reward", "eval/accuracy", "eval/reward/*", f"eval/{c.name}/accuracy"]
+        elif entry is not None and entry.trains_on_pairs and entry.value_head:  # a reward model
+            losses += [f"{c.name}/loss", f"{c.name}/accuracy", "eval/pairwise_accuracy"]
         elif entry is not None and entry.trains_on_pairs:  # dpo: how often the chosen response wins
             losses += [f"{c.name}/loss", f"{c.name}/rewards/accuracies", "eval/rewards/accuracies"]
         elif entry is not None and entry.value_head:  # a critic

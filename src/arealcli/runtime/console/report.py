@@ -16,7 +16,7 @@ from pathlib import Path
 # "{}" get a panel per key.
 PANELS: list[tuple[str, tuple[str, ...]]] = [
     ("reward (sampled rollouts)", ("reward",)),
-    ("held-out accuracy / reward", ("eval/accuracy", "eval/reward")),
+    ("held-out accuracy / reward", ("eval/accuracy", "eval/reward", "eval/pairwise_accuracy")),
     ("held-out NLL", ("eval/nll",)),
     ("held-out with samples", ("eval/pass@*", "eval/avg@*", "eval/maj@*")),
     ("loss: {}", ("loss",)),

@@ -19,6 +19,7 @@ Bradley-Terry reward model):
                           assistant message(s) with the template's end of turn)
         meta `pair`       k                        k
         meta `prompt`     the prompt as text (rendered by the chat template when there is one)
+        meta `margin`     the pair's margin (`margin_key`; 0 without it), the same on both samples
 
 A step's batch of `dataset.batch_size` pairs holds 2 x batch_size samples: c0 r0 c1 r1 ... The meta
 key `pair` (`sample.PAIR`) makes the two samples one unit: micro-batch splits (`SequenceSample.split`)
@@ -34,6 +35,7 @@ responses are the same tokens (no preference to learn) is dropped; each is count
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,7 @@ from arealcli.runtime.data.chat import (
 )
 from arealcli.runtime.data.datasets import kind_of, read_valid_rows, row_lines, text_value
 from arealcli.runtime.data.sample import SequenceSample
-from arealcli.schema.components.datasets import PAIR, PreferenceArgs
+from arealcli.schema.components.datasets import MARGIN, PAIR, PreferenceArgs
 
 CHOSEN, REJECTED = 0, 1  # the second part of a preference sample's id: (row, CHOSEN), (row, REJECTED)
 
@@ -88,6 +90,19 @@ def _response_problem(value: Any, key: str) -> str | None:
     return None
 
 
+def _margin_problem(row: dict, key: str | None) -> str | None:
+    """Why the row's margin (when the data has one) is not a finite number, or None."""
+    if key is None:
+        return None
+    if key not in row:
+        return f"row has no {key!r} field (margin_key; has {sorted(row)})"
+    value = row[key]
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        got = repr(value) if isinstance(value, float) else kind_of(value)
+        return f"{key!r} (margin_key) must be a finite number, got {got}"
+    return None
+
+
 def _as_messages(value: Any, role: str) -> list[dict]:
     return value if isinstance(value, list) else [{"role": role, "content": text_value(value)}]
 
@@ -96,7 +111,7 @@ class PreferenceDataset:
     """Preference pairs {prompt, chosen, rejected}: each row two sequences, chosen and rejected, one unit."""
 
     Args = PreferenceArgs
-    provides = ("packed_input_ids", "prompt_mask", "loss_mask", PAIR, "prompt")
+    provides = ("packed_input_ids", "prompt_mask", "loss_mask", PAIR, "prompt", MARGIN)
 
     def __init__(self, args: PreferenceArgs, tokenizer, base_dir: str | Path = "."):
         self.args, self.tokenizer = args, tokenizer
@@ -159,8 +174,10 @@ class PreferenceDataset:
         elif text_value(prompt) is None or prompt == "":
             got = "an empty text" if prompt == "" else kind_of(prompt)
             return f"{a.prompt_key!r} must be a non-empty text or a list of messages, got {got}"
-        return _response_problem(row[a.chosen_key], a.chosen_key) or _response_problem(
-            row[a.rejected_key], a.rejected_key
+        return (
+            _response_problem(row[a.chosen_key], a.chosen_key)
+            or _response_problem(row[a.rejected_key], a.rejected_key)
+            or _margin_problem(row, a.margin_key)
         )
 
     def _encode(self, index: int, row: dict[str, Any]) -> dict[str, Any]:
@@ -180,6 +197,7 @@ class PreferenceDataset:
             "rejected_mask": rejected_mask[:n],
             "truncated": max(len(chosen), len(rejected)) > n,
             "prompt": self.tokenizer.decode(chosen[:prompt_len]),
+            "margin": float(row[a.margin_key]) if a.margin_key is not None else 0.0,
         }
 
     def _plain(self, prompt: Any, chosen: Any, rejected: Any):
@@ -212,7 +230,7 @@ class PreferenceDataset:
 
     def collate(self, indices: list[int]) -> SequenceSample:
         """2 x len(indices) samples, each pair's chosen then rejected (the layout of the module docstring)."""
-        ids, seqs, masks, prompt_masks, pairs, prompts = [], [], [], [], [], []
+        ids, seqs, masks, prompt_masks, pairs, prompts, margins = [], [], [], [], [], [], []
         for it in (self.items[i] for i in indices):
             for role, key in ((CHOSEN, "chosen"), (REJECTED, "rejected")):
                 seq = it[key]
@@ -222,8 +240,9 @@ class PreferenceDataset:
                 prompt_masks.append(torch.arange(len(seq)) < it["prompt_len"])
                 pairs.append(it["id"])
                 prompts.append(it["prompt"])
+                margins.append(it["margin"])
         return SequenceSample.from_lists(
             ids,
             {"packed_input_ids": seqs, "prompt_mask": prompt_masks, "loss_mask": masks},
-            {PAIR: pairs, "prompt": prompts},
+            {PAIR: pairs, "prompt": prompts, MARGIN: margins},
         )

@@ -42,6 +42,8 @@ def majority_correct(answers: list[str | None], correct: list[bool]) -> float:
 class PromptResult:
     """One prompt: its greedy response and its sampled ones, scored."""
 
+    UNIT = "prompts"  # what the table counts
+
     prompt: str
     answers: list[str]
     greedy: str | None = None
@@ -66,6 +68,17 @@ class PromptResult:
             out["mean_reward"] = sum(self.rewards) / len(self.rewards)
         return out
 
+    def sample_row(self) -> dict[str, Any]:
+        """Its line of the samples file: the responses and their rewards."""
+        return {
+            "prompt": self.prompt,
+            "answers": self.answers,
+            "greedy": self.greedy,
+            "greedy_reward": self.greedy_reward,
+            "completions": self.responses,
+            "rewards": self.rewards,
+        }
+
 
 def per_prompt_values(results: list[PromptResult], ks: list[int], binary: bool) -> dict[str, list[float]]:
     """Every metric's per-prompt values (its mean over prompts is the metric)."""
@@ -89,13 +102,18 @@ def summarize(
     results: list[PromptResult], ks: list[int], binary: bool, n_boot: int = 1000, seed: int = 0
 ) -> dict[str, Any]:
     """`{metric: mean, metric_ci95: [lo, hi], ...}` over the prompts."""
+    return bootstrap_means(per_prompt_values(results, ks, binary), n_boot, seed)
+
+
+def bootstrap_means(values: dict[str, list[float]], n_boot: int = 1000, seed: int = 0) -> dict[str, Any]:
+    """`{metric: mean, metric_ci95: [lo, hi], ...}` of per-item values (every list one item each)."""
     import numpy as np
 
     out: dict[str, Any] = {}
-    m = len(results)
-    # one set of resamples for every metric (rows: resamples, columns: the prompts drawn)
+    m = len(next(iter(values.values()))) if values else 0
+    # one set of resamples for every metric (rows: resamples, columns: the items drawn)
     picks = np.random.default_rng(seed).integers(0, m, size=(n_boot, m)) if m else None
-    for name, vals in per_prompt_values(results, ks, binary).items():
+    for name, vals in values.items():
         out[name] = sum(vals) / m if m else float("nan")
         if picks is not None:
             means = np.sort(np.asarray(vals, dtype=np.float64)[picks].mean(axis=1))

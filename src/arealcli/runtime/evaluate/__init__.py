@@ -5,6 +5,7 @@
                the evaluation loop (runtime/eval) per target; results.json and the samples beside it
     targets    what is evaluated besides a model of the training process: a model folder generating
                in this process, an OpenAI-compatible server
+    pairs      a reward model's folder: pairwise accuracy on preference pairs
 
 Layer 7 of runtime/__init__.py's table: it imports only folders of lower layers.
 """

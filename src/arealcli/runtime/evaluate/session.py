@@ -6,7 +6,9 @@ with (`settings`), one target's evaluation (`run_one`), and the results written 
     reports = [run_one(job, t, progress) ...]   -- (label, metrics, results) per target
     write(path, reports, job.config())          -- results.json + results.samples.jsonl
 
-Nothing here prints: the command shows the table (runtime/console/eval_table.py) and the notes.
+A reward model's folder (a sequence classifier) is scored on preference pairs instead: pairwise accuracy
+(evaluate/pairs.py). Nothing here prints: the command shows the table (runtime/console/eval_table.py)
+and the notes.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class EvalJob:
     ks: list[int]
     targets: list[Target]
     settings: dict[str, Any]
-    plan: Any  # runtime.eval.run.EvalPlan
+    plan: Any  # runtime.eval.run.EvalPlan; None for reward models (pairwise accuracy: evaluate/pairs.py)
 
     def binary(self) -> bool:
         from arealcli.runtime.registry import reward_is_binary
@@ -88,6 +90,8 @@ class EvalJob:
     def config(self) -> dict[str, Any]:
         """results.json's `config`: the settings and the sampling flags."""
         f = self.flags
+        if self.plan is None:  # reward models: nothing is sampled
+            return {**self.settings, "seed": f.seed, "targets": [t.label for t in self.targets]}
         return {
             **self.settings,
             "n": f.n,
@@ -116,9 +120,19 @@ def ks_of(k: str | None, n: int) -> list[int]:
 def plan(flags: EvalFlags) -> EvalJob:
     """Every target found and its recipe loaded (a run's checkpoints share one), the shared settings, the
     plan; or UserError, before any model is loaded (a bad last target costs no evaluation first)."""
+    from arealcli.runtime.evaluate import pairs
+
     ks = ks_of(flags.k, flags.n)
     recipes: dict[Path, Any] = {}
     targets = [target_of(t, flags, recipes) for t in flags.targets]
+    scorers = [pairs.is_reward_model(t) for t in targets]
+    if any(scorers):
+        if not all(scorers):
+            raise UserError(
+                "a reward model (scored on preference pairs) and generating models (on prompts) cannot share "
+                "one table: evaluate them apart"
+            )
+        return EvalJob(flags, [], targets, pairs.settings(targets[0], flags), None)
     chosen = settings(targets[0], flags)
     job = EvalJob(flags, ks, targets, chosen, eval_plan(chosen, flags))
     if job.plan.greedy is None and job.plan.sampled is None:
@@ -325,6 +339,10 @@ def run_one(job: EvalJob, s: Target, progress: Progress) -> tuple[str, dict[str,
     from arealcli.schema.recipe import DatasetSpec
 
     tok = _tokenizer(s)
+    if job.plan is None:  # a reward model: pairwise accuracy
+        from arealcli.runtime.evaluate import pairs
+
+        return pairs.run_one(job, s, tok, progress)
     d = job.settings["dataset"]
     spec = DatasetSpec(type_=d["type_"], args=d["args"], batch_size=d["batch_size"])
     dataset = make_dataset(spec, tok, d["base"])
@@ -356,14 +374,5 @@ def write(output: Path, reports, config: dict[str, Any]) -> Path:
     with open(samples, "w") as f:
         for label, _, results in reports:
             for r in results:
-                row = {
-                    "target": label,
-                    "prompt": r.prompt,
-                    "answers": r.answers,
-                    "greedy": r.greedy,
-                    "greedy_reward": r.greedy_reward,
-                    "completions": r.responses,
-                    "rewards": r.rewards,
-                }
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps({"target": label, **r.sample_row()}) + "\n")
     return samples

@@ -14,6 +14,7 @@ import torch
 from arealcli.runtime.generation import decoder as lean_decoder
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.models.model import DTYPES
+from arealcli.runtime.models.value_head import is_classifier_dir
 from arealcli.runtime.models.weights import load_state
 from arealcli.runtime.wire.sglang import Sampling
 
@@ -34,6 +35,11 @@ class ModelRunner:
 
         if not (Path(model_path) / "config.json").exists():
             raise FileNotFoundError(f"{model_path} is not a Hugging Face model directory (no config.json)")
+        if is_classifier_dir(model_path):
+            raise ValueError(
+                "it holds a reward model (a sequence classifier), which scores responses and does not write "
+                f"them; `areal eval {model_path}` reports its pairwise accuracy on preference pairs"
+            )
         self.model_path = self.tokenizer_path = str(model_path)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device

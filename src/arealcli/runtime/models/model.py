@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from arealcli.errors import UserError
+from arealcli.runtime.models.value_head import CausalLMWithValueHead, load_value_head_model, with_value_head
 from arealcli.schema.recipe import ModelArchConfig, ModelSpec
 
 
@@ -101,7 +102,7 @@ def build_module(spec: ModelSpec, tokenizer, seed: int, source_module=None):
         module = copy.deepcopy(source_module)
     elif spec.path is not None:
         try:
-            module = AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
+            module = _from_pretrained(spec, seed)
         except (OSError, ValueError, KeyError) as e:  # no weights, an unknown architecture, no network ...
             from arealcli.schema.paths import REPO_ID, hub_cache_dir
 
@@ -119,11 +120,22 @@ def build_module(spec: ModelSpec, tokenizer, seed: int, source_module=None):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             module = AutoModelForCausalLM.from_config(hf_config_from_arch(spec.config, tokenizer))
-    if spec.value_head:
-        from arealcli.runtime.models.value_head import with_value_head
-
+    if spec.value_head and not isinstance(module, CausalLMWithValueHead):
         module = with_value_head(module, seed)
+    if spec.value_head:  # its score is read at the last token that is not the tokenizer's pad token
+        module.config.pad_token_id = tokenizer.pad_token_id
     return module
+
+
+def _from_pretrained(spec: ModelSpec, seed: int):
+    """A model folder (or Hub name) as a causal LM, or with a value head: a saved classifier's trained
+    one (a reward model), else a fresh one."""
+    from transformers import AutoModelForCausalLM
+
+    assert spec.path is not None
+    if spec.value_head:
+        return load_value_head_model(spec.path, seed)
+    return AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
 
 
 class BaseModelView:

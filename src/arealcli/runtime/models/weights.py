@@ -52,7 +52,9 @@ def load_hf_weights(module: torch.nn.Module, hf_dir: str | Path) -> None:
 def load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
     """Load `state` (HF names) into `module`; lm_head may be tied to the embeddings. `where` names the
     source in the error (`checkpoint DIR`, `weights DIR`)."""
-    missing, unexpected = module.load_state_dict(state, strict=False)
+    from arealcli.runtime.models.value_head import renamed_legacy_head
+
+    missing, unexpected = module.load_state_dict(renamed_legacy_head(state), strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")}
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"{where} does not match the model: missing {missing}, unexpected {unexpected}")

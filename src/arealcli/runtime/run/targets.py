@@ -120,14 +120,17 @@ def _in_checkpoint(step_dir: Path, run_dir: Path, model: str | None) -> ModelChe
 
 def generating_model(recipe: dict[str, Any], saved: list[str]) -> str | None:
     """The saved model the recipe generates with: a `generate` call's model, or the model whose weights
-    it starts from or follows; else the only saved model that is not a critic. None when ambiguous."""
+    it starts from or follows; else the only saved model that is not a critic; else the only saved model
+    (a reward model's run). None when ambiguous."""
     models = recipe.get("models") or {}
     for call in generate_calls(recipe):
         name = saved_source(models, call.get("model"), saved)
         if name is not None:
             return name
     policies = [m for m in saved if not (models.get(m) or {}).get("value_head")]
-    return policies[0] if len(policies) == 1 else None
+    if len(policies) == 1:
+        return policies[0]
+    return saved[0] if len(saved) == 1 and not policies else None
 
 
 def generate_calls(recipe: dict[str, Any]) -> list[dict[str, Any]]:

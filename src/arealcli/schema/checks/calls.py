@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from arealcli.schema.checks.context import Graph, call_path
-from arealcli.schema.components.datasets import PAIR
+from arealcli.schema.components.datasets import MARGIN, PAIR
 from arealcli.schema.components.interfaces import REF_LOGPROBS, RETURNS_OUTPUTS
 from arealcli.schema.problems import Problem
 from arealcli.schema.recipe import CallSpec
@@ -65,6 +65,7 @@ MADE_BY = {
     REF_LOGPROBS: "made by an inference call of the reference model before this one (its packed_logprobs "
     "renamed: output_key_remap: {packed_logprobs: packed_ref_logprobs})",
     PAIR: "given by a dataset of preference pairs (dataset.type_: preference)",
+    MARGIN: "given by a dataset of preference pairs (dataset.type_: preference)",
 }
 
 

@@ -1,5 +1,6 @@
 """The models: where each starts from (`init_from`), which it follows (`weights_from`), that each is
-used, and that only a critic has a value head."""
+used, that only a critic or a reward model has a value head, and that a reward model scoring responses
+comes trained."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def _weights_from(g: Graph, name: str, src: str) -> list[Problem]:
 
 
 def check_value_heads(g: Graph) -> list[Problem]:
-    """A critic scores states: it needs a value head, and only a critic has one (said once a model)."""
+    """A critic scores states and a reward model responses: they need a value head, and only they have
+    one (said once a model)."""
     problems, said = [], set()
     for call in g.calls:
         spec = g.spec_of(call)
@@ -112,8 +114,8 @@ def _value_head(call: CallSpec, model: str, spec: ModelSpec) -> Problem | None:
             return None
         return Problem(
             ("models", model),
-            f"model {model!r} is the critic of call {call.name!r} but has no value head; "
-            "add `value_head: true`",
+            f"call {call.name!r} ({entry.name}: a critic or a reward model) reads a scalar head of model "
+            f"{model!r}, which has none; add `value_head: true`",
         )
     if entry is not None and entry.language_model and spec.value_head:
         return Problem(
@@ -123,3 +125,28 @@ def _value_head(call: CallSpec, model: str, spec: ModelSpec) -> Problem | None:
             True,
         )
     return None
+
+
+def check_trained_heads(g: Graph) -> list[Problem]:
+    """A model that scores responses with its head (`rm_reward`) is a trained reward model: loaded from
+    a checkpoint or export (`path`), not built from a config or another model (its head would be random)."""
+    problems, said = [], set()
+    for call in g.calls:
+        entry = INTERFACES.find(call.interface.type_)
+        spec = g.spec_of(call)
+        if entry is None or not entry.trained_head or spec is None or spec.path is not None:
+            continue
+        if call.model in said:
+            continue
+        said.add(call.model)
+        source = "`init_from`" if spec.init_from is not None else "`config`"
+        problems.append(
+            Problem(
+                ("models", str(call.model)),
+                f"model {call.model!r} scores responses in call {call.name!r} ({entry.name}), so it must be a "
+                f"trained reward model, but it is built from {source} (its head would be random): give "
+                "`path:` to a reward model's checkpoint or export (train one with the reward_model "
+                "interface, e.g. recipes/rm-quickstart.yaml)",
+            )
+        )
+    return problems

@@ -10,6 +10,8 @@ from arealcli.schema.registry import TOOLS
 # Meta key of the data protocol: the pair each sample of preference data belongs to (its chosen and
 # rejected responses stand next to each other with the same value, and stay together; runtime/data).
 PAIR = "pair"
+# Meta key: the margin m of each preference sample's pair (a reward model's loss -log sigma(s_w - s_l - m)).
+MARGIN = "margin"
 
 
 class DataSourceArgs(StrictModel):
@@ -105,4 +107,9 @@ class PreferenceArgs(DataSourceArgs):
         True,
         description="End each text response with the tokenizer's EOS token (a chat template ends the "
         "assistant's turn itself).",
+    )
+    margin_key: str | None = Field(
+        None,
+        description="Field holding each pair's margin m, a number: how much better the chosen response "
+        "is (a reward model's loss -log sigma(s_w - s_l - m)); without it every margin is 0.",
     )

@@ -261,6 +261,23 @@ class PPOCriticArgs(StrictModel):
     sample_reuse: PositiveInt = Field(1, le=1024, description="Passes over the batch.")
 
 
+class RewardModelArgs(StrictModel):
+    """Bradley-Terry reward model: a value-head model trained on preference pairs to score responses."""
+
+    center_rewards_coefficient: float = Field(
+        0.0,
+        ge=0,
+        description="c of the loss's c * mean((s_w + s_l)^2), which keeps the scores near 0 (0: off).",
+    )
+    lr_scale: float = Field(
+        1.0, gt=0, description="Multiplier on the backend's learning rate for this interface's updates."
+    )
+
+
+class ModelRewardArgs(StrictModel):
+    """Score responses with a trained reward model (frozen): the score of prompt + response."""
+
+
 class ReturnsArgs(StrictModel):
     """Shaped rewards, the KL penalty and GAE, computed once for the actor and the critic."""
 
