@@ -25,13 +25,22 @@ from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, Registry
 SCHEMA_URI = "https://json-schema.org/draft/2020-12/schema"
 
 
+class ModelReward(StrictModel):
+    """A preset's reward scored by a trained reward model of the recipe (interface rm_reward)."""
+
+    model: Name = Field(description="The reward model (a model of the recipe, `value_head: true`, `path:`).")
+
+
 class PresetDataflow(StrictModel):
     """A dataflow written as a named preset (see `areal check --print` for the calls it expands to)."""
 
     preset: str = Field(description="sft, grpo or ppo.", json_schema_extra={"enum": list(PRESETS)})
     actor: PPOActorArgs | None = Field(None, description="ppo_actor args (grpo, ppo).")
     critic: PPOCriticArgs | None = Field(None, description="ppo_critic args (ppo).")
-    reward: RewardArgs | None = Field(None, description="reward interface args.")
+    reward: RewardArgs | ModelReward | None = Field(
+        None,
+        description="reward interface args, or {model: NAME}: a trained reward model scores each sample.",
+    )
     shaping: RewardShaping | None = Field(None, description="Reward shaping + KL for the actor and critic.")
     mb_spec: MicroBatchSpec | None = Field(None, description="Micro-batch split of every call.")
     sft_warmup_steps: int = Field(0, ge=0, description="SFT steps on the dataset's answers before RL.")
