@@ -14,7 +14,7 @@ ever saw far-off answers is easy to fool):
 The kinds are the mistakes a policy made while GRPO trained on an earlier reward model's scores (its
 samples, sorted): it wrote answers one off in the last digit, and characters that are not digits, which
 that reward model, never shown such answers, scored above the right one.
-Train pairs come from data/max3/train.jsonl (one of each kind per prompt, three of `digit`), test pairs
+Train pairs come from data/max3/train.jsonl (one of each kind per prompt, two of `digit`), test pairs
 from data/max3/test.jsonl (one of each kind; the held-out prompts of the quickstarts): train and test
 share no prompt.
 Usage: python scripts/make_preference_data.py [--out data/arith-pairs] [--seed 0]
@@ -29,8 +29,7 @@ import re
 from pathlib import Path
 
 KINDS = ("other", "above", "digit", "tens", "junk", "length")
-# the kind a policy exploits most (the last digit must match the prompt's): three times in train
-TRAIN_EXTRA = ("digit", "digit")
+TRAIN_EXTRA = ("digit",)  # the kind a policy exploits most (the last digit must match): twice in train
 JUNK = "!#$%&()*+-./:;<=>?@[]^_{|}~abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PROMPT = re.compile(r"^max\((\d+),(\d+),(\d+)\)=$")
 
@@ -57,26 +56,19 @@ def near_miss(kind: str, numbers: list[int], rng: random.Random) -> str:
 
 
 def pairs_of(rows: list[dict], kinds: tuple[str, ...], rng: random.Random) -> list[dict]:
-    """A pair of each of `kinds` per row (a kind given twice: another wrong answer when there is one)."""
+    """A pair of each of `kinds` per row."""
     out = []
     for row in rows:
         match = PROMPT.match(row["prompt"])
         if match is None:
             raise ValueError(f"not a max3 prompt: {row['prompt']!r}")
         numbers = [int(x) for x in match.groups()]
-        seen: set[str] = set()
         for kind in kinds:
-            rejected = near_miss(kind, numbers, rng)
-            for _ in range(10):  # a kind given twice: another wrong answer than the first (when there is one)
-                if rejected not in seen:
-                    break
-                rejected = near_miss(kind, numbers, rng)
-            seen.add(rejected)
             out.append(
                 {
                     "prompt": row["prompt"],
                     "chosen": str(max(numbers)),
-                    "rejected": rejected,
+                    "rejected": near_miss(kind, numbers, rng),
                     "kind": kind,
                 }
             )
