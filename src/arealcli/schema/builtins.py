@@ -120,7 +120,6 @@ _interface(
     "dpo",
     f"{_R}.interfaces.dpo:DPOInterface",
     DPOArgs,
-    ModelRewardArgs,
     DPOArgs.__doc__,
     ["inference", "train_step"],
     language_model=True,
