@@ -109,21 +109,19 @@ def _default(field: FieldInfo) -> str:
     return "(default)"
 
 
-def _nested_model(annotation: Any) -> type[BaseModel] | None:
+def _nested_models(annotation: Any) -> list[type[BaseModel]]:
+    """The settings models a field holds: itself, or each member of a union (`A | B | None`)."""
     candidates = [annotation, *typing.get_args(annotation)]
-    for c in candidates:
-        if isinstance(c, type) and issubclass(c, BaseModel):
-            return c
-    return None
+    return [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
 
 
 def describe_args(model: type[BaseModel], prefix: str = "", expand: bool = False) -> list[dict[str, str]]:
     """One row per argument; with `expand`, nested settings as `parent.child` rows too."""
     rows = []
     for name, f in model.model_fields.items():
-        nested = _nested_model(f.annotation)
+        nested = _nested_models(f.annotation)
         default = _default(f)
-        if expand and nested is not None and default.startswith("{"):
+        if expand and nested and default.startswith("{"):
             default = "(its settings below)"
         rows.append(
             {
@@ -133,8 +131,12 @@ def describe_args(model: type[BaseModel], prefix: str = "", expand: bool = False
                 "description": f.description or "",
             }
         )
-        if expand and nested is not None:
-            rows.extend(describe_args(nested, f"{prefix}{name}.", expand=True))
+        seen: set[str] = set()
+        for model_ in nested if expand else []:  # a union's members may share keys: each row once
+            for row in describe_args(model_, f"{prefix}{name}.", expand=True):
+                if row["name"] not in seen:
+                    seen.add(row["name"])
+                    rows.append(row)
     return rows
 
 
