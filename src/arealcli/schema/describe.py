@@ -61,7 +61,7 @@ def type_name(annotation: Any) -> str:
     if origin is typing.Annotated:
         return type_name(args[0])
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(type_name(a) for a in args)
+        return " | ".join(dict.fromkeys(type_name(a) for a in args))  # two settings models: one "mapping"
     if origin is typing.Literal:
         return " | ".join(repr(a) for a in args)
     if origin in (list, tuple, set, dict):
