@@ -1,7 +1,7 @@
 """Named dataflow presets: a short `dataflow:` section that expands to the full graph of calls.
 
     dataflow:
-      preset: grpo               # sft | grpo | ppo
+      preset: grpo               # sft | grpo | ppo | distill
       actor: {...}               # ppo_actor args (generation, clipping, normalization, ...)
       critic: {...}              # ppo_critic args (ppo only)
       reward: {reward_fn: math}  # reward interface args; or {model: NAME}: a trained reward model scores
@@ -11,7 +11,7 @@
 
 Models are taken by name: `actor` (trained), `ref` (optional: enables the reference KL), `critic`
 (ppo), `actor_gen` (optional: generates instead of `actor`, e.g. on SGLang servers or the `local`
-backend with `weights_from: actor`). The calls are named for what they do: `actor_gen` (samples),
+backend with `weights_from: actor`), `teacher` (distill: scores every token of the actor's samples). The calls are named for what they do: `actor_gen` (samples),
 `reward` (scores), `ref_logprobs`, `prox_logprobs` (decoupled PPO: the current policy's log-probs
 before the update), `values` (the critic's), `returns` (rewards -> advantages and returns, once, with
 the one KL controller), `actor_train`, `critic_train`. Expansion works on raw recipe data, before
@@ -39,9 +39,14 @@ UNUSED = {
     "sft": ("actor", "critic", "reward", "shaping", "sft_warmup_steps"),
     "grpo": ("critic", "model"),
     "ppo": ("model",),
+    "distill": ("critic", "model"),
 }
 # The models a preset takes by name.
-MODEL_NAMES = ("actor", "ref", "critic", "actor_gen")
+MODEL_NAMES = ("actor", "ref", "critic", "actor_gen", "teacher")
+# On-policy distillation's returns: the per-token reward is -(log pi(a_t) - log teacher(a_t)) (the k1
+# estimate of the reverse KL, coefficient 1, in the reward), not discounted: each token's advantage is
+# its own (Agarwal et al. 2024, GKD; Lu & Thinking Machines 2025, on-policy distillation).
+DISTILL_SHAPING = {"kl_ctl": 1.0, "kl_in_reward": True, "discount": 0.0}
 
 SFT_INPUTS = ("packed_input_ids", "prompt_mask")
 # `version` (meta): the policy version that generated each sample (it lags when generation servers do)
@@ -112,15 +117,21 @@ class _RL:
     critic: dict[str, Any] | None  # ppo only
     warmup: int  # SFT steps before RL starts
     episode: list[str]  # `loss_mask` with a workflow
+    distill: bool  # the teacher's log-probs stand where the reference's would; a task reward is optional
     train_inputs: list[str]
     returns_inputs: list[str]
     calls: list[dict[str, Any]] = field(default_factory=list)
     origin: dict[int, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, df: dict[str, Any], models: dict[str, Any], adv_norm: str | None, critic: bool) -> _RL:
+    def of(
+        cls, df: dict[str, Any], models: dict[str, Any], adv_norm: str | None, critic: bool, distill: bool
+    ) -> _RL:
         shaping = {"shaping": df["shaping"]} if df.get("shaping") else {}
         actor = {**(df.get("actor") or {}), **shaping}
+        if distill:  # the reverse KL to the teacher is the reward; the recipe may weigh it (kl_ctl)
+            given = actor.get("shaping")
+            actor["shaping"] = {**DISTILL_SHAPING, **(given if isinstance(given, dict) else {})}
         if adv_norm is not None:
             actor.setdefault("adv_norm", adv_norm)
         reward = df.get("reward")
@@ -137,8 +148,9 @@ class _RL:
             critic=dict(df.get("critic") or {}) if critic else None,
             warmup=df.get("sft_warmup_steps") or 0,
             episode=episode,
-            train_inputs=[*TRAIN_INPUTS, *episode],
-            returns_inputs=[*RETURNS_INPUTS, *episode],
+            distill=distill,
+            train_inputs=[*_no_rewards(TRAIN_INPUTS, distill and not df.get("reward")), *episode],
+            returns_inputs=[*_no_rewards(RETURNS_INPUTS, distill and not df.get("reward")), *episode],
         )
 
     def add(self, origin: str | None, call: dict[str, Any]) -> None:
@@ -151,6 +163,10 @@ class _RL:
         if self.warmup:
             call["start_step"] = self.warmup
         self.calls.append(call)
+
+
+def _no_rewards(keys: tuple[str, ...], drop: bool) -> list[str]:
+    return [k for k in keys if not (drop and k == "rewards")]
 
 
 def _warmup(g: _RL) -> None:
@@ -166,7 +182,10 @@ def _generate(g: _RL) -> None:
 
 def _reward(g: _RL) -> None:
     """The rule reward (`reward: {reward_fn: math}`), or a trained reward model of the recipe scoring
-    each sample (`reward: {model: NAME}`: interface rm_reward on that model)."""
+    each sample (`reward: {model: NAME}`: interface rm_reward on that model). Distillation scores
+    with the teacher alone unless a reward is given."""
+    if g.distill and not g.df.get("reward"):
+        return
     args = dict(g.df.get("reward") or {})
     model = args.pop("model", None)
     if model is not None:
@@ -186,7 +205,12 @@ def _logprobs(g: _RL, name: str, model: str, key: str) -> None:
 
 
 def _reference(g: _RL) -> None:
-    if "ref" in g.models:
+    """The reference's log-probs for the KL; distillation's teacher stands in the same place (its
+    log-probs of the actor's samples, the KL's other side)."""
+    if g.distill:
+        _logprobs(g, "teacher_logprobs", "teacher", "packed_ref_logprobs")
+        g.returns_inputs.append("packed_ref_logprobs")
+    elif "ref" in g.models:
         _logprobs(g, "ref_logprobs", "ref", "packed_ref_logprobs")
         g.returns_inputs.append("packed_ref_logprobs")
 
@@ -224,8 +248,10 @@ def _train(g: _RL) -> None:
 _RL_STAGES = (_warmup, _generate, _reward, _reference, _proximal, _values, _returns, _train)
 
 
-def _rl(df: dict[str, Any], models: dict[str, Any], adv_norm: str | None, critic: bool) -> Calls:
-    g = _RL.of(df, models, adv_norm, critic)
+def _rl(
+    df: dict[str, Any], models: dict[str, Any], adv_norm: str | None, critic: bool, distill: bool = False
+) -> Calls:
+    g = _RL.of(df, models, adv_norm, critic, distill)
     for stage in _RL_STAGES:
         stage(g)
     return g.calls, g.origin
@@ -246,10 +272,17 @@ def _ppo(df: dict[str, Any], models: dict[str, Any]) -> Calls:
     return _rl(df, models, adv_norm=None, critic=True)
 
 
+def _distill(df: dict[str, Any], models: dict[str, Any]) -> Calls:
+    """On-policy distillation: the actor samples, the teacher scores every token of the samples, and the
+    per-token reverse KL (optionally with a task reward) is the advantage, normalized over the batch."""
+    return _rl(df, models, adv_norm="batch", critic=False, distill=True)
+
+
 EXPANDERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], Calls]] = {
     "sft": _sft,
     "grpo": _grpo,
     "ppo": _ppo,
+    "distill": _distill,
 }
 PRESETS = tuple(EXPANDERS)
 
@@ -262,7 +295,7 @@ def expand(df: dict[str, Any], models: dict[str, Any]) -> Calls:
 class PresetSpec(StrictModel):
     """A `dataflow:` written as a named preset; its blocks are the interfaces' args (checked there)."""
 
-    preset: str = Field(description="sft, grpo or ppo.")
+    preset: str = Field(description="sft, grpo, ppo or distill.")
     actor: dict[str, Any] | None = Field(None, description="ppo_actor args.")
     critic: dict[str, Any] | None = Field(None, description="ppo_critic args (ppo).")
     reward: dict[str, Any] | None = Field(
@@ -298,6 +331,10 @@ def expand_in_place(src: Located) -> list[tuple[Path_, str]]:
     if spec is None:
         return problems
     models = mapping_at(src.data, "models")
+    if spec.preset == "distill":
+        problems = _distill_problems(spec, models)
+        if problems:
+            return problems
     calls, origin = expand(spec.model_dump(exclude_none=True), models)
     if "loss_mask" in (
         dataset_keys(src.data.get("dataset")) or ()
@@ -330,6 +367,37 @@ def _read(df: dict[str, Any]) -> tuple[PresetSpec | None, list[tuple[Path_, str]
     if unused:
         return None, [(("dataflow", k), f"the {spec.preset} preset does not use `{k}`") for k in unused]
     return spec, []
+
+
+def _distill_problems(spec: PresetSpec, models: dict[str, Any]) -> list[tuple[Path_, str]]:
+    """Distillation needs its teacher, has no reference besides it, and drops uniform groups only by a
+    task reward."""
+    problems: list[tuple[Path_, str]] = []
+    if isinstance(models, dict) and "teacher" not in models:
+        problems.append(
+            (
+                ("models",),
+                "the distill preset needs a model named `teacher` (it scores the actor's samples, e.g. "
+                "`teacher: {path: runs/quickstart/checkpoints/step_00000250/actor}`)",
+            )
+        )
+    if isinstance(models, dict) and "ref" in models:
+        problems.append(
+            (
+                ("models", "ref"),
+                "the distill preset takes no `ref`: the teacher is the KL's other side (drop `ref`)",
+            )
+        )
+    actor = spec.actor or {}
+    if actor.get("dynamic_sampling") and not spec.reward:
+        problems.append(
+            (
+                ("dataflow", "actor", "dynamic_sampling"),
+                "dynamic_sampling drops groups whose rewards are all equal, and distill has no reward "
+                "unless `reward:` gives one",
+            )
+        )
+    return problems
 
 
 def _alias(

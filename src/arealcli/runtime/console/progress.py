@@ -30,7 +30,7 @@ __all__ = ["ConsoleProgress", "ProgressLine", "clock", "default_metrics", "heade
 def default_metrics(calls: Iterable) -> list[str]:
     """The headline metrics of a dataflow, most important first: the rewards of the calls that learn
     from them and the held-out scores (`eval/accuracy`, `eval/reward/<name>`), an agent's tool use,
-    then losses (SFT, a critic; dpo with its preference accuracy, held out too) and the held-out NLL
+    the KL to the reference or teacher, then losses (SFT, a critic; dpo with its preference accuracy, held out too) and the held-out NLL
     (`eval/<call>/...` when two calls report one).
     A key ending in `*` stands for every key that starts with the rest."""
     rl: list[str] = []
@@ -45,6 +45,7 @@ def default_metrics(calls: Iterable) -> list[str]:
         entry = INTERFACES.find(c.interface.type_)
         if entry is not None and entry.learns_from_rewards:
             rl += [f"{c.name}/reward", "eval/accuracy", "eval/reward/*", f"eval/{c.name}/accuracy"]
+            rl += [f"{c.name}/kl_ref"]  # to the reference, or distillation's teacher (its only signal)
         elif entry is not None and entry.trains_on_pairs and entry.value_head:  # a reward model
             losses += [f"{c.name}/loss", f"{c.name}/accuracy", "eval/pairwise_accuracy"]
         elif entry is not None and entry.trains_on_pairs:  # dpo: how often the chosen response wins

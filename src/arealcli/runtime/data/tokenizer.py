@@ -73,3 +73,27 @@ def _with_template(tok, spec: TokenizerSpec | None):
     if spec is not None and spec.chat_template:
         tok.chat_template = spec.chat_template
     return tok
+
+
+def vocabulary_mismatch(tok, path: str) -> str | None:
+    """Why the tokenizer saved with the model folder `path` differs from the run's `tok` (None when it
+    does not, or when the folder keeps no tokenizer): token ids are the only thing two models share, so a
+    model whose ids mean other tokens would score, follow or teach nonsense."""
+    from pathlib import Path
+
+    if not (Path(path) / "tokenizer.json").is_file() and not (Path(path) / "tokenizer_config.json").is_file():
+        return None
+    try:
+        saved = from_directory(path)
+    except (OSError, ValueError, TypeError):
+        return None  # said where the folder is read, if it matters
+    ours, theirs = tok.get_vocab(), saved.get_vocab()
+    if ours == theirs:
+        return None
+    differ = sorted(t for t in set(ours) | set(theirs) if ours.get(t) != theirs.get(t))
+    example = ", ".join(f"{t!r}: {ours.get(t)} vs {theirs.get(t)}" for t in differ[:3])
+    return (
+        f"its tokenizer ({len(theirs)} tokens, saved in {path}) is not the run's ({len(ours)} tokens): "
+        f"{len(differ)} tokens differ (e.g. {example}); give the recipe the model's tokenizer "
+        "(`tokenizer: {path: ...}`) or a model trained with the run's"
+    )

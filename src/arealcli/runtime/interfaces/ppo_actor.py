@@ -192,22 +192,27 @@ class PPOActorInterface(ModelInterface):
         """(advantages (B, T), loss mask (B, T), reward statistics): the registered estimator `adv_norm`
         over the sequence scores and the returns call's GAE advantages."""
         a = self.args
-        raw = data.data["rewards"].float()  # (B,)
         no_eos = data.data["seq_no_eos_mask"].bool()  # (B,)
         mask = r.mask & ~no_eos[:, None] if a.mask_too_long else r.mask  # (B, T)
         adv = self.estimate_advantages(r.scores, r.advantages, mask, group_ids(data), a)  # (B, T)
         stats = {
-            "reward": float(raw.mean()),
-            "reward_std": float(raw.std(unbiased=False)),
-            "accuracy": float((raw > 0.5).float().mean()),
             "score_shaped": float(r.scores.mean()),
             "response_len": float(r.mask.sum(-1).float().mean()),
             "no_eos_frac": float(no_eos.float().mean()),
             "adv_abs": float(F.masked_mean(adv.abs(), mask)),
             "kl_coef": r.kl_coef,
         }
-        if r.kl is not None:
+        if "rewards" in data.data:  # distillation without a task reward has none
+            raw = data.data["rewards"].float()  # (B,)
+            stats["reward"] = float(raw.mean())
+            stats["reward_std"] = float(raw.std(unbiased=False))
+            stats["accuracy"] = float((raw > 0.5).float().mean())
+        if r.kl is not None:  # to the reference, or distillation's teacher: per token, and each side
             stats["kl_ref"] = float(F.masked_mean(r.kl, r.mask))
+            old_logp, _ = response_view(data.data["packed_logprobs"].float(), data)
+            ref_logp, _ = response_view(data.data["packed_ref_logprobs"].float(), data)
+            stats["logp_policy"] = float(F.masked_mean(old_logp, r.mask))
+            stats["logp_ref"] = float(F.masked_mean(ref_logp, r.mask))
         return adv, mask, stats
 
     def loss_batch(

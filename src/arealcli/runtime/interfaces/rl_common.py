@@ -119,7 +119,8 @@ def compute_returns(
     same). Computed by the `returns` call only; the actor and the critic read its keys (`given_returns`)."""
     mask, kl, values = _views(data)
     no_eos = data.data["seq_no_eos_mask"].bool()  # (B,)
-    scores = shaped_scores(data.data["rewards"], no_eos, mask.sum(-1), s, max_new_tokens)
+    raw = data.data["rewards"] if "rewards" in data.data else torch.zeros(data.bs)  # distill: KL alone
+    scores = shaped_scores(raw, no_eos, mask.sum(-1), s, max_new_tokens)
     # bootstrap from the final state's value only for truncated responses
     bootstrap = (
         torch.where(no_eos, final_state_values(data.data["values"].float(), data), torch.zeros_like(scores))

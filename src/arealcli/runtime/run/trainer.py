@@ -27,7 +27,7 @@ import yaml
 from arealcli.errors import TrainingDiverged, UserError
 from arealcli.runtime import distributed
 from arealcli.runtime.data.datasets import Batches
-from arealcli.runtime.data.tokenizer import load_tokenizer
+from arealcli.runtime.data.tokenizer import load_tokenizer, vocabulary_mismatch
 from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.models.model import FinetuneSpec, Model, ModelSource, base_model_view, build_module
 from arealcli.runtime.models.weights import load_hf_weights, load_plain
@@ -171,6 +171,10 @@ class Trainer:
             if not r.models[name].base_of
         }
         specs = {name: resolved_spec(r, self.recipe_dir, name) for name in backends}
+        for name, model_spec in specs.items():  # one vocabulary: a teacher or reward model reads our ids
+            problem = model_spec.path and vocabulary_mismatch(self.tokenizer, model_spec.path)
+            if problem:
+                raise UserError(f"model {name!r}: {problem}")
 
         raw: dict[str, Any] = {}
         eager = self._eager_models(backends)
