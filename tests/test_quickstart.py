@@ -34,11 +34,26 @@ def train(recipe: str, run_dir, *overrides: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+EVAL_EVERY_10 = ("trainer.samples_every_n_steps=50", "trainer.eval_every_n_steps=10")
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    """The quickstart as shipped, held-out accuracy every 10 steps: its own test, and the teacher and the
+    GRPO curve of the distillation test."""
+    run_dir = tmp_path_factory.mktemp("quickstart") / "run"
+    train("quickstart.yaml", run_dir, *EVAL_EVERY_10)
+    return run_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["quickstart.yaml", "ppo-quickstart.yaml", "quickstart-async.yaml"])
-def test_rl_raises_heldout_accuracy(recipe, tmp_path):
-    run_dir = tmp_path / "run"
-    train(recipe, run_dir, "trainer.samples_every_n_steps=50")
+def test_rl_raises_heldout_accuracy(recipe, tmp_path, request):
+    if recipe == "quickstart.yaml":
+        run_dir = request.getfixturevalue("quickstart_run")
+    else:
+        run_dir = tmp_path / "run"
+        train(recipe, run_dir, "trainer.samples_every_n_steps=50")
     acc = eval_accuracy(run_dir)
     warm = acc[60]  # the end of the SFT warm-up: RL starts here
     final = acc[max(acc)]
@@ -60,6 +75,28 @@ def test_rl_raises_heldout_accuracy(recipe, tmp_path):
             timeout=600,
         )
         assert chat.returncode == 0 and chat.stdout.strip() == "82", chat.stdout + chat.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_distillation_reaches_the_teacher_in_fewer_steps_than_grpo(quickstart_run, tmp_path):
+    """The distillation quickstart, its teacher the quickstart's final checkpoint: from the same 60-step
+    warm-up the student reaches 90% of the teacher's held-out accuracy in fewer RL steps than GRPO with
+    the exact answers does (here 20 against 40: 61% -> 83% at step 80 against 75%; the teacher 88%)."""
+    grpo = eval_accuracy(quickstart_run)
+    teacher = grpo[max(grpo)]
+    run_dir = tmp_path / "distill"
+    checkpoint = quickstart_run / "checkpoints" / "step_00000250" / "actor"
+    train("distill-quickstart.yaml", run_dir, f"models.teacher.path={checkpoint}")
+    distill = eval_accuracy(run_dir)
+    print(f"teacher {teacher}; distill {distill}; grpo {grpo}")
+    assert distill[60] == grpo[60], (distill[60], grpo[60])  # the same warm-up
+
+    def steps_to_goal(acc: dict[int, float]) -> float:
+        reached = [s - 60 for s in sorted(acc) if s > 60 and acc[s] >= 0.9 * teacher]
+        return reached[0] if reached else float("inf")
+
+    assert steps_to_goal(distill) < steps_to_goal(grpo), (teacher, distill, grpo)
+    assert steps_to_goal(distill) <= 40, distill
 
 
 @pytest.mark.slow

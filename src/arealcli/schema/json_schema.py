@@ -34,8 +34,8 @@ class ModelReward(StrictModel):
 class PresetDataflow(StrictModel):
     """A dataflow written as a named preset (see `areal check --print` for the calls it expands to)."""
 
-    preset: str = Field(description="sft, grpo or ppo.", json_schema_extra={"enum": list(PRESETS)})
-    actor: PPOActorArgs | None = Field(None, description="ppo_actor args (grpo, ppo).")
+    preset: str = Field(description="sft, grpo, ppo or distill.", json_schema_extra={"enum": list(PRESETS)})
+    actor: PPOActorArgs | None = Field(None, description="ppo_actor args (grpo, ppo, distill).")
     critic: PPOCriticArgs | None = Field(None, description="ppo_critic args (ppo).")
     reward: RewardArgs | ModelReward | None = Field(
         None,

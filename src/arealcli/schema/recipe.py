@@ -143,7 +143,7 @@ def on_rollout_side(call: CallSpec) -> bool:
 class DataflowSpec(StrictModel):
     """The algorithm as a graph of model calls; edges follow from input/output keys.
 
-    Write `calls` out, or name a `preset` (sft, grpo, ppo) that expands to them (`areal check --print`
+    Write `calls` out, or name a `preset` (sft, grpo, ppo, distill) that expands to them (`areal check --print`
     shows the expansion).
     """
 
