@@ -15,6 +15,7 @@ from arealcli.commands.list_ import list_
 from arealcli.commands.report import report
 from arealcli.commands.schema import schema
 from arealcli.commands.serve import serve
+from arealcli.commands.serve_reward import serve_reward
 from arealcli.commands.train import train
 
 
@@ -76,6 +77,7 @@ for name, command in (
     ("check", check),
     ("list", list_),
     ("serve", serve),
+    ("serve-reward", serve_reward),
     ("report", report),
     ("schema", schema),
     ("init", init),

@@ -27,6 +27,7 @@ from arealcli.schema.components.interfaces import (
     ModelRewardArgs,
     PPOActorArgs,
     PPOCriticArgs,
+    RemoteRewardArgs,
     ReturnsArgs,
     RewardArgs,
     RewardModelArgs,
@@ -161,6 +162,14 @@ _interface(
     f"{_R}.interfaces.reward:RewardInterface",
     RewardArgs,
     RewardArgs.__doc__,
+    ["inference"],
+    needs_model=False,
+)
+_interface(
+    "remote_reward",
+    f"{_R}.interfaces.reward:RemoteRewardInterface",
+    RemoteRewardArgs,
+    RemoteRewardArgs.__doc__,
     ["inference"],
     needs_model=False,
 )

@@ -17,7 +17,13 @@ from pydantic.json_schema import models_json_schema
 
 from arealcli.schema.base import Name, StrictModel
 from arealcli.schema.components.engine import MicroBatchSpec
-from arealcli.schema.components.interfaces import PPOActorArgs, PPOCriticArgs, RewardArgs, RewardShaping
+from arealcli.schema.components.interfaces import (
+    PPOActorArgs,
+    PPOCriticArgs,
+    RemoteRewardArgs,
+    RewardArgs,
+    RewardShaping,
+)
 from arealcli.schema.presets import PRESETS
 from arealcli.schema.recipe import DataflowSpec, DatasetSpec, Recipe
 from arealcli.schema.registry import BACKENDS, DATASETS, INTERFACES, Registry
@@ -37,9 +43,10 @@ class PresetDataflow(StrictModel):
     preset: str = Field(description="sft, grpo, ppo or distill.", json_schema_extra={"enum": list(PRESETS)})
     actor: PPOActorArgs | None = Field(None, description="ppo_actor args (grpo, ppo, distill).")
     critic: PPOCriticArgs | None = Field(None, description="ppo_critic args (ppo).")
-    reward: RewardArgs | ModelReward | None = Field(
+    reward: RewardArgs | ModelReward | RemoteRewardArgs | None = Field(
         None,
-        description="reward interface args, or {model: NAME}: a trained reward model scores each sample.",
+        description="reward interface args, {model: NAME}: a trained reward model scores each sample, or "
+        "{url: ...}: a reward service does (remote_reward).",
     )
     shaping: RewardShaping | None = Field(None, description="Reward shaping + KL for the actor and critic.")
     mb_spec: MicroBatchSpec | None = Field(None, description="Micro-batch split of every call.")

@@ -4,7 +4,8 @@
       preset: grpo               # sft | grpo | ppo | distill
       actor: {...}               # ppo_actor args (generation, clipping, normalization, ...)
       critic: {...}              # ppo_critic args (ppo only)
-      reward: {reward_fn: math}  # reward interface args; or {model: NAME}: a trained reward model scores
+      reward: {reward_fn: math}  # reward interface args; {model: NAME}: a trained reward model scores;
+                                 # {url: http://...}: a reward service scores (remote_reward)
       shaping: {...}             # reward shaping + KL (the returns call's; the actor's loss reads kl_in_reward)
       mb_spec: {...}             # micro-batch split of every call
       sft_warmup_steps: 0        # SFT on the actor's dataset answers before RL starts
@@ -188,6 +189,10 @@ def _reward(g: _RL) -> None:
         return
     args = dict(g.df.get("reward") or {})
     model = args.pop("model", None)
+    if "url" in args:  # a reward service (interface remote_reward)
+        inputs = ["packed_input_ids", "prompt_mask", "answers", *g.episode]
+        g.add("reward", _call("reward", None, "remote_reward", args, "inference", inputs, ["rewards"]))
+        return
     if model is not None:
         inputs = ["packed_input_ids", "prompt_mask", *g.episode]
         g.add("reward", _call("reward", model, "rm_reward", args, "inference", inputs, ["rewards"]))
@@ -300,8 +305,9 @@ class PresetSpec(StrictModel):
     critic: dict[str, Any] | None = Field(None, description="ppo_critic args (ppo).")
     reward: dict[str, Any] | None = Field(
         None,
-        description="reward interface args ({reward_fn: NAME}), or {model: NAME}: a trained reward model of "
-        "the recipe scores each sample (interface rm_reward).",
+        description="reward interface args ({reward_fn: NAME}), {model: NAME}: a trained reward model of "
+        "the recipe scores each sample (interface rm_reward), or {url: ...}: a reward service "
+        "(interface remote_reward).",
     )
     shaping: dict[str, Any] | None = Field(
         None, description="Reward shaping + KL (the returns call's, computed once for actor and critic)."

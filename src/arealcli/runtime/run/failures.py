@@ -23,6 +23,7 @@ _LAST_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Exit|Interrupt)\w
 
 _OOM = ("OutOfMemoryError", "MemoryError")
 _GENERATION = ("GenerationServerError",)
+_SCORING = ("RemoteRewardError",)  # a reward service that refused, broke or did not answer
 _PEERS = ("DistBackendError", "DistNetworkError", "DistError", "ChildFailedError")
 
 
@@ -64,6 +65,8 @@ def failure_of(error: BaseException | str, run_dir: Path, step: int | None = Non
     signature = f"{kind}: {first}"
     if kind in _GENERATION:
         return Failure(f"generation failed{at}: {message.strip()}", None, False, signature, log)
+    if kind in _SCORING:
+        return Failure(f"scoring failed{at}: {message.strip()}", None, False, signature, log)
     if kind in _OOM:
         return Failure(
             f"out of memory{at}: {first}",

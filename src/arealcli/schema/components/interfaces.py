@@ -301,6 +301,32 @@ class RewardArgs(StrictModel):
     _known = field_validator("reward_fn")(_registered_reward)
 
 
+class RemoteRewardArgs(StrictModel):
+    """Score responses with a reward service over HTTP (protocol 1: POST URL/score, see `areal
+    serve-reward`): a sandbox, a grader, any reward on another machine."""
+
+    url: str = Field(description="The service's base URL (http:// or https://); samples go to URL/score.")
+    api_key_env: str | None = Field(
+        None, description="Environment variable holding the service's key (sent as a bearer token)."
+    )
+    timeout_s: float = Field(60.0, gt=0, description="Seconds to wait for one batch's answer.")
+    retries: int = Field(
+        3, ge=0, le=20, description="Retries of a batch on 429, 5xx, a lost connection or a timeout."
+    )
+    batch_size: PositiveInt = Field(256, description="Samples per request (a step's samples are split).")
+    concurrency: PositiveInt = Field(4, le=64, description="Requests in flight at once.")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"a reward service URL is http://HOST[:PORT] or https://..., not {url!r}")
+        return url
+
+
 # the built-in losses that would ignore each of these arguments (a plugin's loss reads what it likes)
 _IGNORED_BY = {"label_smoothing": ("ipo", "hinge"), "simpo_gamma": ("sigmoid", "ipo", "hinge", "robust")}
 
