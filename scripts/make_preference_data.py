@@ -79,6 +79,13 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def write_rows(path: Path, rows: list[dict], what: str) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"{path}: {len(rows)} {what}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--source", default="data/max3", help="the task's folder (train.jsonl, test.jsonl)")
@@ -90,10 +97,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for split, kinds in (("train", KINDS + TRAIN_EXTRA), ("test", KINDS)):
         pairs = pairs_of(read_rows(Path(a.source) / f"{split}.jsonl"), kinds, rng)
-        with open(out / f"{split}.jsonl", "w") as f:
-            for pair in pairs:
-                f.write(json.dumps(pair) + "\n")
-        print(f"{out / (split + '.jsonl')}: {len(pairs)} pairs")
+        write_rows(out / f"{split}.jsonl", pairs, "pairs")
 
 
 if __name__ == "__main__":

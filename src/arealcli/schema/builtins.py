@@ -24,6 +24,7 @@ from arealcli.schema.components.datasets import MARGIN, PAIR, ChatArgs, Preferen
 from arealcli.schema.components.interfaces import (
     RETURNS_OUTPUTS,
     DPOArgs,
+    JudgeRewardArgs,
     ModelRewardArgs,
     PPOActorArgs,
     PPOCriticArgs,
@@ -67,6 +68,7 @@ def _interface(
     trains_on_dataset: bool = False,
     trains_on_pairs: bool = False,
     train_inputs: Iterable[str] = (),
+    generates: bool = False,
 ) -> None:
     INTERFACES.add(
         Entry(
@@ -85,6 +87,7 @@ def _interface(
             trains_on_dataset=trains_on_dataset,
             trains_on_pairs=trains_on_pairs,
             train_inputs=frozenset(train_inputs),
+            generates=generates,
         )
     )
 
@@ -164,6 +167,16 @@ _interface(
     RewardArgs.__doc__,
     ["inference"],
     needs_model=False,
+)
+_interface(
+    "judge_reward",
+    f"{_R}.interfaces.reward:JudgeRewardInterface",
+    JudgeRewardArgs,
+    JudgeRewardArgs.__doc__,
+    ["inference"],
+    needs_model=False,  # with `url:` none; without, the call's model judges (JudgeRewardArgs.needs_model)
+    language_model=True,
+    generates=True,
 )
 _interface(
     "remote_reward",

@@ -18,6 +18,7 @@ from pydantic.json_schema import models_json_schema
 from arealcli.schema.base import Name, StrictModel
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import (
+    JudgeSettings,
     PPOActorArgs,
     PPOCriticArgs,
     RemoteRewardArgs,
@@ -37,16 +38,25 @@ class ModelReward(StrictModel):
     model: Name = Field(description="The reward model (a model of the recipe, `value_head: true`, `path:`).")
 
 
+class JudgeReward(JudgeSettings):
+    """A preset's reward given by a judge model asked about each sample (interface judge_reward)."""
+
+    judge: str = Field(
+        description="The judge: a model of the recipe, or the base URL of an OpenAI-compatible server."
+    )
+
+
 class PresetDataflow(StrictModel):
     """A dataflow written as a named preset (see `areal check --print` for the calls it expands to)."""
 
     preset: str = Field(description="sft, grpo, ppo or distill.", json_schema_extra={"enum": list(PRESETS)})
     actor: PPOActorArgs | None = Field(None, description="ppo_actor args (grpo, ppo, distill).")
     critic: PPOCriticArgs | None = Field(None, description="ppo_critic args (ppo).")
-    reward: RewardArgs | ModelReward | RemoteRewardArgs | None = Field(
+    reward: RewardArgs | ModelReward | RemoteRewardArgs | JudgeReward | None = Field(
         None,
-        description="reward interface args, {model: NAME}: a trained reward model scores each sample, or "
-        "{url: ...}: a reward service does (remote_reward).",
+        description="reward interface args, {model: NAME}: a trained reward model scores each sample, "
+        "{url: ...}: a reward service does (remote_reward), or {judge: NAME or URL, template, parse}: a "
+        "judge model asked about each sample (judge_reward).",
     )
     shaping: RewardShaping | None = Field(None, description="Reward shaping + KL for the actor and critic.")
     mb_spec: MicroBatchSpec | None = Field(None, description="Micro-batch split of every call.")

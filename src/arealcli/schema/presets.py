@@ -5,7 +5,8 @@
       actor: {...}               # ppo_actor args (generation, clipping, normalization, ...)
       critic: {...}              # ppo_critic args (ppo only)
       reward: {reward_fn: math}  # reward interface args; {model: NAME}: a trained reward model scores;
-                                 # {url: http://...}: a reward service scores (remote_reward)
+                                 # {url: http://...}: a reward service scores (remote_reward);
+                                 # {judge: NAME|URL, template, parse}: a judge model (judge_reward)
       shaping: {...}             # reward shaping + KL (the returns call's; the actor's loss reads kl_in_reward)
       mb_spec: {...}             # micro-batch split of every call
       sft_warmup_steps: 0        # SFT on the actor's dataset answers before RL starts
@@ -22,6 +23,7 @@ validation, and keeps source positions so that an error in `actor:` points at th
 from __future__ import annotations
 
 import copy
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,13 +184,26 @@ def _generate(g: _RL) -> None:
 
 
 def _reward(g: _RL) -> None:
-    """The rule reward (`reward: {reward_fn: math}`), or a trained reward model of the recipe scoring
-    each sample (`reward: {model: NAME}`: interface rm_reward on that model). Distillation scores
-    with the teacher alone unless a reward is given."""
+    """The rule reward (`reward: {reward_fn: math}`), a trained reward model of the recipe scoring
+    each sample (`reward: {model: NAME}`: interface rm_reward on that model), a reward service
+    (`{url: ...}`: remote_reward) or a judge (`{judge: NAME or URL, template, parse}`: judge_reward).
+    Distillation scores with the teacher alone unless a reward is given."""
     if g.distill and not g.df.get("reward"):
         return
     args = dict(g.df.get("reward") or {})
     model = args.pop("model", None)
+    if "judge" in args:  # a judge: a model of the recipe, or an OpenAI-compatible server's URL
+        judge = args.pop("judge")
+        is_url = isinstance(judge, str) and judge.startswith(("http://", "https://"))
+        if is_url:
+            args["url"] = judge
+        answers = ["answers"] if "answer" in _template_fields(args.get("template")) else []
+        inputs = ["packed_input_ids", "prompt_mask", *answers, *g.episode]
+        call = _call(
+            "reward", None if is_url else judge, "judge_reward", args, "inference", inputs, ["rewards"]
+        )
+        g.add("reward", call)
+        return
     if "url" in args:  # a reward service (interface remote_reward)
         inputs = ["packed_input_ids", "prompt_mask", "answers", *g.episode]
         g.add("reward", _call("reward", None, "remote_reward", args, "inference", inputs, ["rewards"]))
@@ -199,6 +214,14 @@ def _reward(g: _RL) -> None:
         return
     inputs = ["packed_input_ids", "prompt_mask", "answers", *g.episode]
     g.add("reward", _call("reward", None, "reward", args, "inference", inputs, ["rewards"]))
+
+
+def _template_fields(template: Any) -> set[str]:
+    """The format fields of a judge's template (none when it is not one: its args check says so)."""
+    try:
+        return {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except (TypeError, ValueError):
+        return set()
 
 
 def _logprobs(g: _RL, name: str, model: str, key: str) -> None:
@@ -306,8 +329,9 @@ class PresetSpec(StrictModel):
     reward: dict[str, Any] | None = Field(
         None,
         description="reward interface args ({reward_fn: NAME}), {model: NAME}: a trained reward model of "
-        "the recipe scores each sample (interface rm_reward), or {url: ...}: a reward service "
-        "(interface remote_reward).",
+        "the recipe scores each sample (interface rm_reward), {url: ...}: a reward service "
+        "(interface remote_reward), or {judge: NAME or URL, template: ..., parse: ...}: a judge model "
+        "asked about each sample (interface judge_reward).",
     )
     shaping: dict[str, Any] | None = Field(
         None, description="Reward shaping + KL (the returns call's, computed once for actor and critic)."

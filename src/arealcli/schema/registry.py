@@ -57,6 +57,7 @@ class Entry:
     trains_on_dataset: bool = False  # its train_step fits the dataset's sequences (one per prompt)
     trains_on_pairs: bool = False  # its train_step learns from preference pairs (a `pair` dataset)
     train_inputs: frozenset[str] = frozenset()  # keys its train_step must be given (another call makes)
+    generates: bool = False  # its inference call generates on its model (a judge): the backend must generate
     # Rewards only: every score is 0 or 1 (held-out: an accuracy; otherwise the mean reward).
     binary: bool = False
     # Advantage estimators only: it compares the samples of one prompt (needs generation.n >= 2, and

@@ -1,5 +1,6 @@
-"""Score responses with a registered reward function (no weights: a rule, a verifier, your code), or
-with a reward service over HTTP (`remote_reward`, protocol 1 of runtime/rewards/remote.py)."""
+"""Score responses with a registered reward function (no weights: a rule, a verifier, your code), with
+a reward service over HTTP (`remote_reward`, protocol 1 of runtime/rewards/remote.py), or with a judge
+model asked about each response (`judge_reward`, runtime/rewards/judge.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.models.model import Model
 from arealcli.runtime.registry import get_reward
+from arealcli.runtime.rewards.judge import Ask, Judge, ask_url
 from arealcli.runtime.rewards.remote import RemoteReward
-from arealcli.schema.components.engine import MicroBatchSpec
-from arealcli.schema.components.interfaces import RemoteRewardArgs, RewardArgs
+from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+from arealcli.schema.components.interfaces import (
+    JudgeRewardArgs,
+    JudgeSettings,
+    RemoteRewardArgs,
+    RewardArgs,
+)
 
 
 class RewardInterface(ModelInterface):
@@ -31,9 +38,21 @@ class RewardInterface(ModelInterface):
             raise RuntimeError(
                 f"reward {self.args.reward_fn!r} returned {len(scores)} scores for {data.bs} responses"
             )
-        return SequenceSample(
-            data.ids, {"rewards": [1] * data.bs}, {"rewards": torch.tensor(scores, dtype=torch.float32)}
-        )
+        return _rewards(data, list(scores))
+
+
+def _key(env: str | None, who: str) -> str | None:
+    """The key in the environment variable `env` (None without one); a named but unset one is an error."""
+    key = os.environ.get(env) if env else None
+    if env and not key:
+        raise UserError(f"{who}: the environment variable {env} (api_key_env) is not set")
+    return key
+
+
+def _rewards(data: SequenceSample, scores: list[float]) -> SequenceSample:
+    return SequenceSample(
+        data.ids, {"rewards": [1] * data.bs}, {"rewards": torch.tensor(scores, dtype=torch.float32)}
+    )
 
 
 class RemoteRewardInterface(ModelInterface):
@@ -44,11 +63,7 @@ class RemoteRewardInterface(ModelInterface):
 
     def __init__(self, args: RemoteRewardArgs):
         super().__init__(args)
-        key = os.environ.get(args.api_key_env) if args.api_key_env else None
-        if args.api_key_env and not key:
-            raise UserError(
-                f"remote_reward: the environment variable {args.api_key_env} (api_key_env) is not set"
-            )
+        key = _key(args.api_key_env, "remote_reward")
         self.client = RemoteReward(
             args.url, key, args.timeout_s, args.retries, args.batch_size, args.concurrency
         )
@@ -56,11 +71,62 @@ class RemoteRewardInterface(ModelInterface):
     def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
         prompts, responses = decode_responses(model.tokenizer, data)
         scores, info = self.client(prompts, responses, data.meta["answers"])
-        out = SequenceSample(
-            data.ids, {"rewards": [1] * data.bs}, {"rewards": torch.tensor(scores, dtype=torch.float32)}
-        )
+        out = _rewards(data, scores)
         names = sorted({k for d in info for k in d})  # per-sample numbers the service sent: their means
         out.stats = {
             f"info/{k}": sum(d[k] for d in info if k in d) / sum(k in d for d in info) for k in names
         }
         return out
+
+
+def ask_model(model: Model, settings: JudgeSettings) -> Ask:
+    """Ask a model of the recipe: greedy generation on its backend, `batch_size` requests per call."""
+    gconfig = GenerationHyperparameters(n=1, max_new_tokens=settings.max_new_tokens, greedy=True)
+    tok = model.tokenizer
+
+    def ask(requests: list[str]) -> list[str]:
+        out: list[str] = []
+        for start in range(0, len(requests), settings.batch_size):
+            chunk = requests[start : start + settings.batch_size]
+            ids = [torch.tensor(tok(r, add_special_tokens=False)["input_ids"]) for r in chunk]
+            batch = SequenceSample.from_lists(list(range(len(chunk))), {"packed_prompts": ids})
+            result = model.module.generate(batch, MicroBatchSpec(), tok, gconfig)
+            out += [tok.decode(list(g), skip_special_tokens=True) for g in result.output_ids]
+        return out
+
+    return ask
+
+
+class JudgeRewardInterface(ModelInterface):
+    """Score responses with a judge: the call's model (or a server at `url`) asked with a template, its
+    greedy reply read by the parse rule. Metrics: `unparsable` (replies the rule could not read),
+    `cached` (share answered from earlier identical requests), `score` (mean of the read scores)."""
+
+    Args = JudgeRewardArgs
+    needs_model = False  # a URL judge needs none; `areal check` asks for one otherwise
+
+    def __init__(self, args: JudgeRewardArgs):
+        super().__init__(args)
+        self.judge: Judge | None = None
+        if args.url is not None:
+            self.judge = Judge(args, ask_url(args.url, args, _key(args.api_key_env, "judge_reward")))
+        self.notes: list[str] = []
+        self._noted = False
+
+    def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        if self.judge is None:
+            self.judge = Judge(self.args, ask_model(model, self.args))
+        prompts, responses = decode_responses(model.tokenizer, data)
+        answers = data.meta.get("answers") or [[] for _ in range(data.bs)]
+        verdicts = self.judge(prompts, responses, answers)
+        if verdicts.note is not None and not self._noted:  # said once; counted every step
+            self.notes.append(verdicts.note)
+            self._noted = True
+        out = _rewards(data, verdicts.scores)
+        out.stats = verdicts.stats
+        return out
+
+    def take_notes(self) -> list[str]:
+        """Console lines since the last call (the trainer says them)."""
+        notes, self.notes = self.notes, []
+        return notes

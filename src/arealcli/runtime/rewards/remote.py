@@ -142,37 +142,57 @@ class RemoteReward:
     def score_batch(
         self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Sequence[str]]
     ) -> tuple[list[float], list[dict[str, float]]]:
-        body = request_body(prompts, responses, answers)
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
         url = self.url.rstrip("/") + "/score"
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                request = urllib.request.Request(url, data=body, headers=headers, method="POST")
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
-                    raw = answer.read(MAX_BODY + 1)
-            except urllib.error.HTTPError as e:
-                detail = e.read(2000).decode(errors="replace").strip()
-                last = f"HTTP {e.code}{': ' + detail if detail else ''}"
-                if e.code not in RETRY_STATUS:
-                    raise RemoteRewardError(f"the reward service {url} refused the batch: {last}") from None
-                continue
-            except (urllib.error.URLError, OSError, TimeoutError) as e:
-                last = str(getattr(e, "reason", e)) or type(e).__name__
-                continue
-            try:
-                return parse_scores(raw, len(prompts))
-            except ProtocolError as e:
-                raise RemoteRewardError(
-                    f"the reward service {url} answered outside protocol {PROTOCOL}: {e}"
-                ) from None
-        raise RemoteRewardError(
-            f"the reward service {url} did not answer after {self.retries + 1} tries: {last}"
+        raw = post_json(
+            url,
+            request_body(prompts, responses, answers),
+            self.api_key,
+            self.timeout_s,
+            self.retries,
+            self.backoff_s,
+            "the reward service",
         )
+        try:
+            return parse_scores(raw, len(prompts))
+        except ProtocolError as e:
+            raise RemoteRewardError(
+                f"the reward service {url} answered outside protocol {PROTOCOL}: {e}"
+            ) from None
+
+
+def post_json(
+    url: str,
+    body: bytes,
+    api_key: str | None,
+    timeout_s: float,
+    retries: int,
+    backoff_s: float,
+    what: str,
+    error: type[RuntimeError] = RemoteRewardError,
+) -> bytes:
+    """POST a JSON body, retried with backoff (backoff_s, doubling) on 429, 5xx, a lost connection or a
+    timeout; the answer's body (at most MAX_BODY bytes). Any other refusal, or no answer after the
+    retries, raises `error` naming `what` and the URL."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    last = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+        try:
+            request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+            with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+                raw: bytes = answer.read(MAX_BODY + 1)
+                return raw
+        except urllib.error.HTTPError as e:
+            detail = e.read(2000).decode(errors="replace").strip()
+            last = f"HTTP {e.code}{': ' + detail if detail else ''}"
+            if e.code not in RETRY_STATUS:
+                raise error(f"{what} {url} refused the batch: {last}") from None
+        except (urllib.error.URLError, OSError, TimeoutError) as e:
+            last = str(getattr(e, "reason", e)) or type(e).__name__
+    raise error(f"{what} {url} did not answer after {retries + 1} tries: {last}")
 
 
 def check_key(given: str | None, key: str | None) -> bool:

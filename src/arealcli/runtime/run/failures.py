@@ -23,7 +23,10 @@ _LAST_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Exit|Interrupt)\w
 
 _OOM = ("OutOfMemoryError", "MemoryError")
 _GENERATION = ("GenerationServerError",)
-_SCORING = ("RemoteRewardError",)  # a reward service that refused, broke or did not answer
+_SCORING = (
+    "RemoteRewardError",
+    "JudgeError",
+)  # a reward service or judge that refused, broke, or did not answer
 _PEERS = ("DistBackendError", "DistNetworkError", "DistError", "ChildFailedError")
 
 

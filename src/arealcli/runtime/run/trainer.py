@@ -349,21 +349,29 @@ class Trainer:
         return last
 
     def _faults(self) -> dict[str, float]:
-        """Generation servers restarted (or back) since the last step: said on the console, counted."""
+        """Generation servers restarted (or back) since the last step: said on the console, counted; and
+        what interfaces have to say (a judge whose replies cannot be read)."""
         totals: dict[str, float] = {}
         for model in self.models.values():
             take = getattr(model.module, "take_faults", None)
             if take is None:
                 continue
             lines, counts = take()
-            for line in lines:
-                if self.note is not None:
-                    self.note(line)
-                else:
-                    logging.getLogger(__name__).warning(line)
+            self._say(lines)
             for k, v in counts.items():
                 totals[k] = totals.get(k, 0.0) + v
+        for call in self.calls:
+            notes = getattr(call.interface, "take_notes", None)
+            if notes is not None:
+                self._say([f"step {self.global_step + 1}, call {call.spec.name}: {line}" for line in notes()])
         return totals
+
+    def _say(self, lines: list[str]) -> None:
+        for line in lines:
+            if self.note is not None:
+                self.note(line)
+            else:
+                logging.getLogger(__name__).warning(line)
 
     def describe(self, recipe_path: Path) -> list[tuple[str, str]]:
         """The header lines: what runs, where, how long."""

@@ -30,8 +30,15 @@ def check_call_type(g: Graph, i: int, call: CallSpec) -> list[Problem]:
 
 
 def check_needs_model(g: Graph, i: int, call: CallSpec) -> list[Problem]:
+    """The call names a model when its interface needs one (always, or as its args say: a judge
+    without `url` is the call's model)."""
     entry = INTERFACES.find(call.interface.type_)
-    if entry is None or not entry.needs_model or call.model is not None:
+    if entry is None or call.model is not None:
+        return []
+    asked = getattr(g.typed.get(call_path(i, "interface")), "needs_model", None)
+    if callable(asked) and asked():
+        return [Problem(call_path(i, "model"), f"interface {entry.name!r} needs a model (or a `url`)")]
+    if not entry.needs_model:
         return []
     return [Problem(call_path(i, "model"), f"interface {entry.name!r} needs a model")]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from arealcli.schema.checks.context import Graph, call_path
 from arealcli.schema.problems import Problem
 from arealcli.schema.recipe import ModelSpec
-from arealcli.schema.registry import BACKENDS, NEEDED_CAPABILITY
+from arealcli.schema.registry import BACKENDS, INTERFACES, NEEDED_CAPABILITY
 
 _CAN = {"train": "train", "forward": "run forward passes (log-probs, values)", "generate": "generate"}
 
@@ -24,16 +24,20 @@ def check_call_capabilities(g: Graph) -> list[Problem]:
     for i, call in enumerate(g.calls):
         spec = g.spec_of(call)
         caps = capabilities_of(spec) if spec is not None else None
-        need = NEEDED_CAPABILITY[call.type]
+        entry = INTERFACES.find(call.interface.type_)
+        generates = entry is not None and entry.generates and call.type == "inference"  # a judge
+        need = "generate" if generates else NEEDED_CAPABILITY[call.type]
         if spec is None or caps is None or need in caps:
             continue
         fix = (
             "train a model on hf, fsdp or megatron and let this one follow it (`weights_from`)"
             if need == "train"
             else "run the call on a model with an in-process backend (hf, fsdp, megatron)"
+            if need == "forward"
+            else "run it on a model whose backend generates"
         )
         message = (
-            f"call {call.name!r} is a {call.type} on model {call.model!r}, whose backend "
+            f"call {call.name!r} is a{' generating' if generates else ''} {call.type} on model {call.model!r}, whose backend "
             f"{spec.backend.type_!r} cannot {_CAN[need]} (it can: {', '.join(sorted(caps))}); {fix}"
         )
         problems.append(Problem(call_path(i, "type"), message, call.type))

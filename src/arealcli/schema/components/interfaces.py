@@ -301,6 +301,15 @@ class RewardArgs(StrictModel):
     _known = field_validator("reward_fn")(_registered_reward)
 
 
+def _http_url(url: str, what: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"a {what} URL is http://HOST[:PORT] or https://..., not {url!r}")
+    return url
+
+
 class RemoteRewardArgs(StrictModel):
     """Score responses with a reward service over HTTP (protocol 1: POST URL/score, see `areal
     serve-reward`): a sandbox, a grader, any reward on another machine."""
@@ -316,15 +325,131 @@ class RemoteRewardArgs(StrictModel):
     batch_size: PositiveInt = Field(256, description="Samples per request (a step's samples are split).")
     concurrency: PositiveInt = Field(4, le=64, description="Requests in flight at once.")
 
-    @field_validator("url")
-    @classmethod
-    def _http(cls, url: str) -> str:
-        from urllib.parse import urlsplit
+    _http = field_validator("url")(lambda url: _http_url(url, "reward service"))
 
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"a reward service URL is http://HOST[:PORT] or https://..., not {url!r}")
-        return url
+
+JUDGE_FIELDS = ("prompt", "response", "answer")
+
+
+class JudgeParse(StrictModel):
+    """How a judge's reply becomes a score: a label from a set, a number in a range, or what a regex
+    finds (its first group: a label when `labels` are given, else a number)."""
+
+    labels: dict[str, float] | None = Field(
+        None,
+        description="Label -> score; the reply (after `regex`, else its start, spaces stripped) must be "
+        "one of them, e.g. {Y: 1, N: 0}.",
+    )
+    number: list[float] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="[low, high]: the first number of the reply (or of the regex's first group), which "
+        "must lie in that range, is the score.",
+    )
+    regex: str | None = Field(
+        None,
+        description="A Python regex searched in the reply; its first group (or the whole match) is the "
+        "label or the number, e.g. 'Score: (\\d+)'.",
+    )
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, regex: str | None) -> str | None:
+        if regex is not None:
+            import re
+
+            try:
+                re.compile(regex)
+            except re.error as e:
+                raise ValueError(f"not a regex: {e}") from None
+        return regex
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, float] | None) -> dict[str, float] | None:
+        if labels is not None and (not labels or any(not k.strip() for k in labels)):
+            raise ValueError("labels are non-blank words mapped to scores, e.g. {Y: 1, N: 0}")
+        return labels
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> JudgeParse:
+        if self.labels is not None and self.number is not None:
+            raise ValueError("give `labels` or `number`, not both")
+        if self.labels is None and self.number is None and self.regex is None:
+            raise ValueError("give `labels` (e.g. {Y: 1, N: 0}), `number` ([0, 10]) or `regex`")
+        if self.number is not None and not self.number[0] < self.number[1]:
+            raise ValueError(f"number is [low, high] with low < high, not {list(self.number)}")
+        return self
+
+
+class JudgeSettings(StrictModel):
+    """What a judge is asked and how its reply is read (shared by the interface and the preset form)."""
+
+    template: str = Field(
+        description="The judge's prompt: Python format fields {prompt}, {response} (needed) and {answer} "
+        "(the first reference answer); {{ and }} are literal braces."
+    )
+    parse: JudgeParse = Field(description="How the reply becomes a score.")
+    max_new_tokens: PositiveInt = Field(8, le=4096, description="Longest reply the judge may give.")
+    unparsable_score: float | None = Field(
+        None,
+        description="The score of a reply the rule cannot read; null: such a reply stops the step with an "
+        "error naming it. Either way each is counted (judge/unparsable) and said on the console.",
+    )
+    cache_size: int = Field(
+        65536, ge=0, description="Replies kept for identical requests (0: ask every time)."
+    )
+    model_name: str | None = Field(
+        None, description="URL judges: the `model` field of the request (a server serving several)."
+    )
+    api_key_env: str | None = Field(
+        None, description="URL judges: the environment variable holding the server's key (bearer token)."
+    )
+    timeout_s: float = Field(120.0, gt=0, description="URL judges: seconds to wait for one batch's replies.")
+    retries: int = Field(3, ge=0, le=20, description="URL judges: retries on 429, 5xx, a lost connection.")
+    batch_size: PositiveInt = Field(64, description="Requests per batch sent to the judge.")
+    concurrency: PositiveInt = Field(4, le=64, description="URL judges: batches in flight at once.")
+
+    @field_validator("template")
+    @classmethod
+    def _fields(cls, template: str) -> str:
+        import string
+
+        try:
+            parsed = list(string.Formatter().parse(template))
+        except ValueError as e:
+            raise ValueError(
+                f"the template does not parse: {e} (write {{{{ and }}}} for literal braces)"
+            ) from None
+        for _, name, spec, conversion in parsed:
+            if name is None:
+                continue
+            if name not in JUDGE_FIELDS or spec or conversion:
+                raise ValueError(
+                    f"template field {{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}} "
+                    f"is not one of {{prompt}}, {{response}}, {{answer}} (literal braces: {{{{ and }}}})"
+                )
+        if not any(name == "response" for _, name, _, _ in parsed):
+            raise ValueError("the template must show the judge the {response}")
+        return template
+
+
+class JudgeRewardArgs(JudgeSettings):
+    """Score responses with a judge: a language model asked with a prompt template (the call's model, on
+    any backend, or an OpenAI-compatible server at `url`), its reply read by a rule."""
+
+    url: str | None = Field(
+        None,
+        description="Base URL of an OpenAI-compatible server (POST URL/v1/completions); null: the call's "
+        "model judges.",
+    )
+
+    _http = field_validator("url")(lambda url: None if url is None else _http_url(url, "judge"))
+
+    def needs_model(self) -> bool:
+        """Without a URL the judge is the call's model."""
+        return self.url is None
 
 
 # the built-in losses that would ignore each of these arguments (a plugin's loss reads what it likes)

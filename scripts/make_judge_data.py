@@ -1,0 +1,73 @@
+"""Verdicts for the judge quickstart, from the GRPO quickstart's task (deterministic).
+
+A judge reads a prompt of data/max3 followed by an answer and a question mark, and says whether the
+answer is right: {"prompt": "max(37,82,15)=82?", "answer": "Y"} or {"prompt": "max(37,82,15)=37?",
+"answer": "N"}. The wrong answers are the near misses of scripts/make_preference_data.py (another number
+of the prompt, one above, a digit off, a junk character, a digit missing or too many) and an empty answer:
+any other two-digit number and one above the right one: the mistakes a policy makes, and those it makes
+to fool a judge (a judge trained on near misses only passed 95, 96, 97 for max(15,36,31), and GRPO
+learnt to write them). Each prompt gives four wrong answers of different kinds and the right one four
+times, so that the judge sees as many Y as N.
+Train verdicts come from data/max3/train.jsonl, test verdicts from data/max3/test.jsonl (the held-out
+prompts of the quickstarts): train and test share no prompt.
+Usage: python scripts/make_judge_data.py [--out data/max3-judge] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+from make_preference_data import KINDS, PROMPT, near_miss, read_rows, write_rows
+
+WRONG = (*KINDS, "empty", "random", "high")
+RIGHT_COPIES = 4
+
+
+def wrong_answer(kind: str, numbers: list[int], rng: random.Random) -> str:
+    """A wrong answer of `kind`: a near miss, nothing, any other two-digit number, or one above the
+    answer (the answers a policy writes once it has found that big numbers often pass)."""
+    best = max(numbers)
+    if kind == "empty":
+        return ""
+    if kind in ("random", "high"):
+        low = best + 1 if kind == "high" and best < 99 else 10
+        return str(rng.choice([x for x in range(low, 100) if x != best]))
+    return near_miss(kind, numbers, rng)
+
+
+def verdicts_of(rows: list[dict], rng: random.Random) -> list[dict]:
+    out = []
+    for row in rows:
+        match = PROMPT.match(row["prompt"])
+        if match is None:
+            raise ValueError(f"not a max3 prompt: {row['prompt']!r}")
+        numbers = [int(x) for x in match.groups()]
+        right = str(max(numbers))
+        for _ in range(RIGHT_COPIES):
+            out.append({"prompt": f"{row['prompt']}{right}?", "answer": "Y", "kind": "right"})
+        for kind in rng.sample(WRONG, RIGHT_COPIES):
+            wrong = wrong_answer(kind, numbers, rng)
+            out.append({"prompt": f"{row['prompt']}{wrong}?", "answer": "N", "kind": kind})
+    rng.shuffle(out)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--source", default="data/max3", help="the task's folder (train.jsonl, test.jsonl)")
+    p.add_argument("--out", default="data/max3-judge")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    rng = random.Random(a.seed)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        write_rows(
+            out / f"{split}.jsonl", verdicts_of(read_rows(Path(a.source) / f"{split}.jsonl"), rng), "verdicts"
+        )
+
+
+if __name__ == "__main__":
+    main()
