@@ -18,7 +18,7 @@ import yaml
 
 from arealcli.runtime.rewards.judge import Judge, Rule, UnreadableReply
 from arealcli.schema.components.interfaces import JudgeParse, JudgeSettings
-from tests.conftest import TINY_ARCH
+from tests.conftest import REPO, TINY_ARCH
 
 
 def rule(**parse) -> Rule:
@@ -246,3 +246,57 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
         except OSError:
             time.sleep(0.2)
     raise AssertionError("areal serve did not answer /health")
+
+
+def test_an_unreadable_reply_without_unparsable_score_stops_the_run_with_exit_2(tmp_path, model_dir):
+    judge = {"path": str(model_dir), "backend": {"type_": "hf", "args": {"device": "cpu"}}}
+    strict = {"judge": "judge", "template": "{prompt}{response}?", "parse": {"labels": {"Y": 1, "N": 0}}}
+    out = areal("train", str(judge_recipe(tmp_path, strict, judge)), cwd=tmp_path)
+    text = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 2, text
+    assert "cannot be read as labels Y, N" in text and "unparsable_score" in text and "Traceback" not in text
+
+
+# --------------------------------------------------------------------------- the quickstart
+
+
+@pytest.mark.slow
+def test_the_judge_learns_and_grpo_scored_by_it_on_areal_serve_raises_heldout_accuracy(tmp_path):
+    """recipes/judge-sft.yaml as shipped (2000 steps) makes a judge right on >= 95% of held-out verdicts
+    (99.0% here); recipes/judge-quickstart.yaml, scored by that judge on a launched `areal serve` and never
+    by the answers, raises held-out accuracy at least 15 points above its warm-up (61.3% -> 87.5% here,
+    where GRPO on the exact answers reaches 87.9%), and no reply was unreadable. About 4 minutes."""
+    from tests.test_rm_quickstarts import rows, train
+
+    judge = tmp_path / "judge"
+    train("judge-sft.yaml", judge)
+    results = tmp_path / "verdicts.json"
+    out = areal(
+        "eval",
+        str(judge),
+        "--data",
+        str(REPO / "data" / "max3-judge" / "test.jsonl"),
+        "--reward",
+        "exact_match",
+        "--n",
+        "0",
+        "-o",
+        str(results),
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    verdicts = json.loads(results.read_text())["metrics"]["greedy_accuracy"]
+    print(f"judge: held-out verdicts right {verdicts:.3f}")
+    assert verdicts >= 0.95
+
+    policy = tmp_path / "policy"
+    train(
+        "judge-quickstart.yaml",
+        policy,
+        f"models.judge.path={judge / 'checkpoints' / 'step_00002000' / 'judge'}",
+    )
+    metrics = rows(policy)
+    acc = {r["step"]: r["eval/accuracy"] for r in metrics if "eval/accuracy" in r}
+    print(f"judge quickstart: held-out accuracy {acc}")
+    assert max(acc[s] for s in (200, 220, 240, 250)) >= acc[60] + 0.15, acc
+    assert sum(r.get("reward/unparsable", 0) for r in metrics) == 0
