@@ -174,7 +174,9 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_the_same_judge_in_process_and_behind_areal_serve_gives_the_same_rewards(tmp_path, model_dir):
     """A GRPO run whose judge is a model of the recipe (hf, in the training process) and one whose judge
     is the same weights served by a keyed `areal serve` at a URL (POST /v1/completions) log the same
-    rewards and unparsable counts, step by step."""
+    rewards and unparsable counts, step by step; `areal eval --reward judge` of each run (its recipe's
+    judge: the URL, or the model folder loaded here) gives the same metrics; a wrong key is a scoring
+    failure naming the 401."""
     here, there = tmp_path / "here", tmp_path / "there"
     here.mkdir(), there.mkdir()
     judge = {"path": str(model_dir), "backend": {"type_": "hf", "args": {"device": "cpu"}}}
@@ -207,6 +209,25 @@ def test_the_same_judge_in_process_and_behind_areal_serve_gives_the_same_rewards
         reward = {"judge": f"http://127.0.0.1:{port}", "api_key_env": "JUDGE_KEY", **LABELS}
         out = areal("train", str(judge_recipe(there, reward)), cwd=there, env={"JUDGE_KEY": key})
         assert out.returncode == 0, out.stdout + out.stderr
+        evals = []
+        for run in (there, here):  # the URL judge, then the in-process one, on the same checkpoints
+            results = run / "eval.json"
+            out = areal(
+                "eval",
+                str(run / "runs" / "judge-test"),
+                "--reward",
+                "judge",
+                "--data",
+                "train.jsonl",
+                "--n",
+                "2",
+                "-o",
+                str(results),
+                cwd=run,
+                env={"JUDGE_KEY": key},
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+            evals.append(json.loads(results.read_text())["metrics"])
         wrong = areal(
             "train",
             str(judge_recipe(there, reward)),
@@ -222,6 +243,7 @@ def test_the_same_judge_in_process_and_behind_areal_serve_gives_the_same_rewards
     keys = ("actor_train/reward", "reward/unparsable", "reward/cached")
     assert [[m.get(k) for k in keys] for m in a] == [[m.get(k) for k in keys] for m in b]
     assert all(m.get("reward/unparsable") is not None for m in a)
+    assert evals[0] == evals[1] and "judge_unparsable" in evals[0], evals
     assert wrong.returncode != 0 and "scoring failed at step 1" in wrong.stdout + wrong.stderr
     assert "401" in wrong.stdout + wrong.stderr
 

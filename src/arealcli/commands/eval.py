@@ -64,7 +64,13 @@ Workflow = Annotated[
     ),
 ]
 Reward = Annotated[
-    str | None, _opt("--reward", "NAME", "Reward function (default: the recipe's held-out one, or math).")
+    str | None,
+    _opt(
+        "--reward",
+        "NAME",
+        "Reward function (default: the recipe's held-out one, or math); judge: the recipe's judge "
+        "(reward: {judge: ...}) scores.",
+    ),
 ]
 BatchSize = Annotated[
     int | None, _opt("--batch-size", "N", "Prompts per generate call (default: the recipe's).", min=1)

@@ -14,7 +14,12 @@ def short(label: str, width: int = 40) -> str:
     return label if len(label) <= width else "…" + label[-(width - 1) :]
 
 
+COUNTS = ("judge_unparsable",)  # whole numbers, without an interval
+
+
 def _fmt(name: str, v: float) -> str:
+    if name in COUNTS:
+        return f"{v:.0f}"
     return f"{v:.1f}" if name == "response_tokens" else f"{v:.3f}"
 
 
@@ -33,8 +38,9 @@ def eval_table(reports: list[tuple[str, dict[str, Any], list]]) -> list[tuple[An
         table.add_column("value", justify="right")
         table.add_column("95% interval", justify="right")
         for m in cols:
-            lo, hi = metrics.get(f"{m}_ci95", (float("nan"), float("nan")))
-            table.add_row(m, _fmt(m, metrics[m]), f"{_fmt(m, lo)} .. {_fmt(m, hi)}")
+            lo, hi = metrics.get(f"{m}_ci95", (None, None))
+            interval = "" if lo is None or hi is None else f"{_fmt(m, lo)} .. {_fmt(m, hi)}"
+            table.add_row(m, _fmt(m, metrics[m]), interval)
     else:
         table.add_column("target", overflow="fold")
         for m in cols:

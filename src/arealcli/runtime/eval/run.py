@@ -81,6 +81,7 @@ class EvalPlan:
     greedy: GenerationHyperparameters | None  # None: no greedy pass
     sampled: GenerationHyperparameters | None  # None: no samples (n = 0)
     seed: int = 0
+    scorer: Callable[..., Any] | None = None  # scores in place of the registered reward (a judge)
 
 
 def evaluate(
@@ -100,7 +101,7 @@ def evaluate(
 def _evaluate(target, batches, plan: EvalPlan, progress) -> list[PromptResult]:
     from arealcli.runtime.registry import get_reward
 
-    reward_fn, extract = get_reward(plan.reward), answer_extractor(plan.reward)
+    reward_fn, extract = plan.scorer or get_reward(plan.reward), answer_extractor(plan.reward)
     results: list[PromptResult] = []
     for batch in batches:
         prompts, answers = batch.meta["prompt"], batch.meta["answers"]

@@ -78,6 +78,8 @@ class EvalJob:
     def binary(self) -> bool:
         from arealcli.runtime.registry import reward_is_binary
 
+        if self.plan.scorer is not None:  # a judge: binary when its labels score 0 and 1
+            return bool(self.plan.scorer.binary())
         return reward_is_binary(self.plan.reward)
 
     def withheld_urls(self) -> list[str]:
@@ -178,7 +180,12 @@ def eval_plan(chosen: dict[str, Any], flags: EvalFlags):
         if flags.n > 0
         else None
     )
-    return EvalPlan(chosen["reward"], greedy, sampled, flags.seed)
+    scorer = None
+    if chosen["reward"] == JUDGE:
+        from arealcli.runtime.evaluate.judge import JudgeScorer
+
+        scorer = JudgeScorer(chosen.pop("_judge_args"), chosen["judge"].get("model"), None, flags.device)
+    return EvalPlan(chosen["reward"], greedy, sampled, flags.seed, scorer)
 
 
 def target_of(target: str, flags: EvalFlags, recipes: dict[Path, Any]) -> Target:
@@ -269,6 +276,9 @@ def _dataset(s: Target, flags: EvalFlags) -> dict[str, Any]:
     }
 
 
+JUDGE = "judge"  # --reward judge: the recipe's judge scores (runtime/evaluate/judge.py)
+
+
 def settings(s: Target, flags: EvalFlags) -> dict[str, Any]:
     """Dataset, reward and generation settings: the flags, else the recipe's, else defaults."""
     from arealcli.runtime.registry import REWARDS
@@ -276,9 +286,17 @@ def settings(s: Target, flags: EvalFlags) -> dict[str, Any]:
     recipe, actor = s.recipe, _actor_args(s.recipe)
     dataset = _dataset(s, flags)
     name = flags.reward or (actor.eval_reward_fn if actor is not None and actor.eval_reward_fn else "math")
-    if name not in REWARDS.names():
+    judge: dict[str, Any] = {}
+    if name == JUDGE:
+        from arealcli.runtime.evaluate.judge import judge_of
+
+        args, model_dir = judge_of(recipe, "its recipe" if flags.recipe is None else str(flags.recipe))
+        where = {"url": args.url} if model_dir is None else {"model": model_dir}
+        judge = {"judge": {**where, "template": args.template}, "_judge_args": args}
+    elif name not in REWARDS.names():
         raise UserError(
-            f"--reward {name}: no such reward function (registered: {', '.join(REWARDS.names())})"
+            f"--reward {name}: no such reward function (registered: {', '.join(REWARDS.names())}, or "
+            "judge: the recipe's judge)"
         )
     max_new_tokens = flags.max_new_tokens
     if max_new_tokens is None and actor is not None:
@@ -295,6 +313,7 @@ def settings(s: Target, flags: EvalFlags) -> dict[str, Any]:
         "max_new_tokens": max_new_tokens or 256,
         "stop_token_ids": list(actor.generation.stop_token_ids) if actor is not None else [],
         "seed": recipe.seed if recipe is not None else 1,
+        **judge,
     }
 
 
@@ -348,12 +367,20 @@ def run_one(job: EvalJob, s: Target, progress: Progress) -> tuple[str, dict[str,
     dataset = make_dataset(spec, tok, d["base"])
     batches = Batches(dataset, min(spec.batch_size, len(dataset)), False, job.settings["seed"]).all_batches()
     model = _model(s, job, tok)
+    judge = job.plan.scorer
+    if judge is not None:
+        judge.tokenizer, judge.unparsable = tok, 0
     try:
         with progress(s.label, len(dataset)) as advance:
             results = evaluate(model, batches, job.plan, advance)
     finally:
         model.close()
-    return s.label, summarize(results, job.ks, job.binary(), seed=job.flags.seed), results
+        if judge is not None:
+            judge.close()
+    metrics = summarize(results, job.ks, job.binary(), seed=job.flags.seed)
+    if judge is not None:
+        metrics["judge_unparsable"] = judge.unparsable  # replies its rule could not read
+    return s.label, metrics, results
 
 
 def write(output: Path, reports, config: dict[str, Any]) -> Path:
