@@ -19,15 +19,15 @@ from tests.conftest import TINY_ARCH, sft_recipe
 HF = {"type_": "hf", "args": {"device": "cpu"}}
 
 
-def distill_recipe(ws, teacher: dict | None, name: str = "distill.yaml", **dataflow) -> Path:
+def distill_recipe(ws, teacher_model: dict | None, name: str = "distill.yaml", **dataflow) -> Path:
     models = {
         "actor": {
             "config": TINY_ARCH,
             "backend": {**HF, "args": {"device": "cpu", "optimizer": {"lr": 1e-3}}},
         }
     }
-    if teacher is not None:
-        models["teacher"] = teacher
+    if teacher_model is not None:
+        models["teacher"] = teacher_model
     recipe = {
         "experiment": "tiny-distill",
         "seed": 1,
@@ -179,3 +179,67 @@ def test_a_teacher_with_another_vocabulary_is_refused_with_exit_2(ws, cli, tmp_p
         "model 'teacher': its tokenizer (30 tokens" in result.stderr and "is not the run's" in result.stderr
     )
     assert "Traceback" not in result.output
+
+
+def test_a_served_teacher_gives_the_log_probs_of_the_same_teacher_in_process(ws, cli, tmp_path, model_dir):
+    """The teacher as a model of the recipe (hf, in this process) and the same weights served by a keyed
+    `areal serve` (`dataflow.teacher: {url: ...}`, interface remote_logprobs: prompt log-probs through
+    /v1/completions with echo): the student's KL to it and its log-probs agree step by step (float
+    noise of two forward passes apart); a wrong key stops the run naming the server's 401."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_judge import _free_port, _wait_health
+
+    local = distill_recipe(ws, {"path": str(model_dir), "backend": HF})
+    result = cli("train", local, "-o", tmp_path / "local", "trainer.log_every_n_steps=1")
+    assert result.exit_code == 0, result.output
+
+    port, key = _free_port(), "teacher-key-0123456789abcdef"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AREAL_")}
+    served = distill_recipe(
+        ws, None, "served.yaml", teacher={"url": f"http://127.0.0.1:{port}", "api_key_env": "TEACHER_KEY"}
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-m", "arealcli.main", "serve", "--model", str(model_dir), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**env, "AREAL_API_KEY": key},
+    )
+    try:
+        _wait_health(f"http://127.0.0.1:{port}", server)
+        os.environ["TEACHER_KEY"] = key
+        result = cli("train", served, "-o", tmp_path / "served", "trainer.log_every_n_steps=1")
+        os.environ["TEACHER_KEY"] = "not-the-key-0123456789"
+        refused = cli("train", served, "-o", tmp_path / "refused")
+    finally:
+        os.environ.pop("TEACHER_KEY", None)
+        server.terminate()
+        server.wait(10)
+    assert result.exit_code == 0, result.output
+
+    def rows(run: Path) -> list[dict]:
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    keys = ("actor_train/kl_ref", "actor_train/logp_ref", "actor_train/logp_policy")
+    a, b = rows(tmp_path / "local"), rows(tmp_path / "served")
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b, strict=True):
+        for k in keys:
+            assert y[k] == pytest.approx(x[k], rel=1e-4, abs=1e-5), (k, x[k], y[k])
+    assert refused.exit_code != 0 and "scoring failed at step 1: the teacher" in refused.output
+    assert "401" in refused.output
+
+
+def test_check_refuses_two_teachers_and_a_served_teacher_at_another_temperature(ws, cli):
+    teacher = {"config": TINY_ARCH, "backend": HF}
+    both = distill_recipe(ws, teacher, "both.yaml", teacher={"url": "http://127.0.0.1:9"})
+    result = cli("check", both)
+    assert result.exit_code == 2 and "not both" in result.stderr
+    recipe = yaml.safe_load(distill_recipe(ws, None, teacher={"url": "http://127.0.0.1:9"}).read_text())
+    recipe["dataflow"]["actor"]["generation"]["temperature"] = 0.7
+    result = cli("check", ws.text("hot.yaml", yaml.safe_dump(recipe)))
+    assert result.exit_code == 2 and "a served teacher gives its log-probs at temperature 1" in result.stderr
+    result = cli("check", distill_recipe(ws, None, "bad.yaml", teacher={"url": "localhost:9"}))
+    assert result.exit_code == 2 and "a teacher URL is http://HOST[:PORT]" in result.stderr

@@ -28,6 +28,7 @@ from arealcli.schema.components.interfaces import (
     ModelRewardArgs,
     PPOActorArgs,
     PPOCriticArgs,
+    RemoteLogprobsArgs,
     RemoteRewardArgs,
     ReturnsArgs,
     RewardArgs,
@@ -177,6 +178,14 @@ _interface(
     needs_model=False,  # with `url:` none; without, the call's model judges (JudgeRewardArgs.needs_model)
     language_model=True,
     generates=True,
+)
+_interface(
+    "remote_logprobs",
+    f"{_R}.interfaces.teacher:RemoteLogprobsInterface",
+    RemoteLogprobsArgs,
+    RemoteLogprobsArgs.__doc__,
+    ["inference"],
+    needs_model=False,
 )
 _interface(
     "remote_reward",

@@ -21,6 +21,7 @@ from arealcli.schema.components.interfaces import (
     JudgeSettings,
     PPOActorArgs,
     PPOCriticArgs,
+    RemoteLogprobsArgs,
     RemoteRewardArgs,
     RewardArgs,
     RewardShaping,
@@ -60,6 +61,9 @@ class PresetDataflow(StrictModel):
     )
     shaping: RewardShaping | None = Field(None, description="Reward shaping + KL for the actor and critic.")
     mb_spec: MicroBatchSpec | None = Field(None, description="Micro-batch split of every call.")
+    teacher: RemoteLogprobsArgs | None = Field(
+        None, description="distill: a teacher served elsewhere ({url: ...}), instead of models.teacher."
+    )
     sft_warmup_steps: int = Field(0, ge=0, description="SFT steps on the dataset's answers before RL.")
     model: Name = Field("default", description="The trained model (sft).")
 

@@ -39,9 +39,9 @@ from arealcli.schema.source import Located, Path_, mapping_at
 
 # Preset keys each preset ignores: giving one is a mistake worth saying.
 UNUSED = {
-    "sft": ("actor", "critic", "reward", "shaping", "sft_warmup_steps"),
-    "grpo": ("critic", "model"),
-    "ppo": ("model",),
+    "sft": ("actor", "critic", "reward", "shaping", "sft_warmup_steps", "teacher"),
+    "grpo": ("critic", "model", "teacher"),
+    "ppo": ("model", "teacher"),
     "distill": ("critic", "model"),
 }
 # The models a preset takes by name.
@@ -235,7 +235,22 @@ def _logprobs(g: _RL, name: str, model: str, key: str) -> None:
 def _reference(g: _RL) -> None:
     """The reference's log-probs for the KL; distillation's teacher stands in the same place (its
     log-probs of the actor's samples, the KL's other side)."""
-    if g.distill:
+    if g.distill and g.df.get("teacher"):  # served elsewhere: its log-probs asked over HTTP
+        remap = {"packed_logprobs": "packed_ref_logprobs"}
+        call = _call(
+            "teacher_logprobs",
+            None,
+            "remote_logprobs",
+            g.df["teacher"],
+            "inference",
+            ["packed_input_ids"],
+            ["packed_ref_logprobs"],
+            output_key_remap=remap,
+        )
+        g.add("teacher", call)
+        g.train_inputs.append("packed_ref_logprobs")
+        g.returns_inputs.append("packed_ref_logprobs")
+    elif g.distill:
         _logprobs(g, "teacher_logprobs", "teacher", "packed_ref_logprobs")
         g.returns_inputs.append("packed_ref_logprobs")
     elif "ref" in g.models:
@@ -337,6 +352,11 @@ class PresetSpec(StrictModel):
         None, description="Reward shaping + KL (the returns call's, computed once for actor and critic)."
     )
     mb_spec: dict[str, Any] | None = Field(None, description="Micro-batch split of every call.")
+    teacher: dict[str, Any] | None = Field(
+        None,
+        description="distill: a teacher served elsewhere, {url: ...} (interface remote_logprobs), instead of "
+        "a `teacher` model of the recipe.",
+    )
     sft_warmup_steps: NonNegativeInt = Field(0, le=1 << 30, description="SFT steps before RL.")
     model: Name = Field("default", description="The trained model (sft).")
 
@@ -403,12 +423,32 @@ def _distill_problems(spec: PresetSpec, models: dict[str, Any]) -> list[tuple[Pa
     """Distillation needs its teacher, has no reference besides it, and drops uniform groups only by a
     task reward."""
     problems: list[tuple[Path_, str]] = []
-    if isinstance(models, dict) and "teacher" not in models:
+    served = spec.teacher is not None
+    if isinstance(models, dict) and "teacher" not in models and not served:
         problems.append(
             (
                 ("models",),
                 "the distill preset needs a model named `teacher` (it scores the actor's samples, e.g. "
-                "`teacher: {path: runs/quickstart/checkpoints/step_00000250/actor}`)",
+                "`teacher: {path: runs/quickstart/checkpoints/step_00000250/actor}`), or a served one: "
+                "`dataflow: {teacher: {url: http://HOST:PORT}}`",
+            )
+        )
+    if isinstance(models, dict) and "teacher" in models and served:
+        problems.append(
+            (
+                ("dataflow", "teacher"),
+                "the teacher is either a model of the recipe (models.teacher) or served (dataflow.teacher), "
+                "not both",
+            )
+        )
+    temperature = _temperature(spec.actor)
+    if served and temperature != 1.0:
+        problems.append(
+            (
+                ("dataflow", "actor", "generation", "temperature"),
+                f"a served teacher gives its log-probs at temperature 1, and the actor samples at {temperature}: "
+                "the KL would compare two different temperatures (sample at 1, or run the teacher as a model "
+                "of the recipe)",
             )
         )
     if isinstance(models, dict) and "ref" in models:
@@ -428,6 +468,11 @@ def _distill_problems(spec: PresetSpec, models: dict[str, Any]) -> list[tuple[Pa
             )
         )
     return problems
+
+
+def _temperature(actor: dict[str, Any] | None) -> Any:
+    generation = (actor or {}).get("generation")
+    return generation.get("temperature", 1.0) if isinstance(generation, dict) else 1.0
 
 
 def _alias(

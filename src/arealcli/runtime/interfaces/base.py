@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from arealcli.errors import UserError
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.models.model import Model
 from arealcli.schema.components.engine import MicroBatchSpec
@@ -45,3 +47,11 @@ class ModelInterface:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (called only when it returned something)."""
+
+
+def key_from_env(env: str | None, who: str) -> str | None:
+    """The key in the environment variable `env` (None without one); a named but unset one is an error."""
+    key = os.environ.get(env) if env else None
+    if env and not key:
+        raise UserError(f"{who}: the environment variable {env} (api_key_env) is not set")
+    return key

@@ -4,14 +4,11 @@ model asked about each response (`judge_reward`, runtime/rewards/judge.py)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from arealcli.errors import UserError
 from arealcli.runtime.data.responses import decode_responses
 from arealcli.runtime.data.sample import SequenceSample
-from arealcli.runtime.interfaces.base import ModelInterface
+from arealcli.runtime.interfaces.base import ModelInterface, key_from_env
 from arealcli.runtime.models.model import Model
 from arealcli.runtime.registry import get_reward
 from arealcli.runtime.rewards.judge import Ask, Judge, ask_url
@@ -41,14 +38,6 @@ class RewardInterface(ModelInterface):
         return _rewards(data, list(scores))
 
 
-def _key(env: str | None, who: str) -> str | None:
-    """The key in the environment variable `env` (None without one); a named but unset one is an error."""
-    key = os.environ.get(env) if env else None
-    if env and not key:
-        raise UserError(f"{who}: the environment variable {env} (api_key_env) is not set")
-    return key
-
-
 def _rewards(data: SequenceSample, scores: list[float]) -> SequenceSample:
     return SequenceSample(
         data.ids, {"rewards": [1] * data.bs}, {"rewards": torch.tensor(scores, dtype=torch.float32)}
@@ -63,7 +52,7 @@ class RemoteRewardInterface(ModelInterface):
 
     def __init__(self, args: RemoteRewardArgs):
         super().__init__(args)
-        key = _key(args.api_key_env, "remote_reward")
+        key = key_from_env(args.api_key_env, "remote_reward")
         self.client = RemoteReward(
             args.url, key, args.timeout_s, args.retries, args.batch_size, args.concurrency
         )
@@ -109,7 +98,7 @@ class JudgeRewardInterface(ModelInterface):
         super().__init__(args)
         self.judge: Judge | None = None
         if args.url is not None:
-            self.judge = Judge(args, ask_url(args.url, args, _key(args.api_key_env, "judge_reward")))
+            self.judge = Judge(args, ask_url(args.url, args, key_from_env(args.api_key_env, "judge_reward")))
         self.notes: list[str] = []
         self._noted = False
 

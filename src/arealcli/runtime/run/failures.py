@@ -23,10 +23,8 @@ _LAST_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception|Exit|Interrupt)\w
 
 _OOM = ("OutOfMemoryError", "MemoryError")
 _GENERATION = ("GenerationServerError",)
-_SCORING = (
-    "RemoteRewardError",
-    "JudgeError",
-)  # a reward service or judge that refused, broke, or did not answer
+# a reward service, a judge or a served teacher that refused, broke or did not answer
+_SCORING = ("RemoteRewardError", "JudgeError", "TeacherError")
 _PEERS = ("DistBackendError", "DistNetworkError", "DistError", "ChildFailedError")
 
 

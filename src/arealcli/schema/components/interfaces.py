@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, PositiveInt, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -310,11 +310,12 @@ def _http_url(url: str, what: str) -> str:
     return url
 
 
-class RemoteRewardArgs(StrictModel):
-    """Score responses with a reward service over HTTP (protocol 1: POST URL/score, see `areal
-    serve-reward`): a sandbox, a grader, any reward on another machine."""
+class ServiceArgs(StrictModel):
+    """A service over HTTP: where it is, its key, and how it is asked (timeouts, retries, batches)."""
 
-    url: str = Field(description="The service's base URL (http:// or https://); samples go to URL/score.")
+    _what: ClassVar[str] = "service"
+
+    url: str = Field(description="The service's base URL (http:// or https://).")
     api_key_env: str | None = Field(
         None, description="Environment variable holding the service's key (sent as a bearer token)."
     )
@@ -325,7 +326,36 @@ class RemoteRewardArgs(StrictModel):
     batch_size: PositiveInt = Field(256, description="Samples per request (a step's samples are split).")
     concurrency: PositiveInt = Field(4, le=64, description="Requests in flight at once.")
 
-    _http = field_validator("url")(lambda url: _http_url(url, "reward service"))
+    @field_validator("url")
+    @classmethod
+    def _http(cls, url: str) -> str:
+        return _http_url(url, cls._what)
+
+
+class RemoteRewardArgs(ServiceArgs):
+    """Score responses with a reward service over HTTP (protocol 1: POST URL/score, see `areal
+    serve-reward`): a sandbox, a grader, any reward on another machine."""
+
+    _what: ClassVar[str] = "reward service"
+
+    url: str = Field(description="The service's base URL (http:// or https://); samples go to URL/score.")
+
+
+class RemoteLogprobsArgs(ServiceArgs):
+    """Log-probs of every token of the samples from an OpenAI-compatible server (POST URL/v1/completions
+    with the token ids, `echo` and `logprobs`): a distillation teacher served elsewhere (`areal serve`,
+    vLLM, SGLang)."""
+
+    _what: ClassVar[str] = "teacher"
+
+    url: str = Field(
+        description="The server's base URL (http:// or https://); requests go to URL/v1/completions."
+    )
+    model_name: str | None = Field(
+        None, description="The `model` field of the requests (a server serving several)."
+    )
+    batch_size: PositiveInt = Field(16, description="Sequences per request.")
+    timeout_s: float = Field(120.0, gt=0, description="Seconds to wait for one batch's answer.")
 
 
 JUDGE_FIELDS = ("prompt", "response", "answer")
