@@ -23,6 +23,8 @@ from arealcli.schema.components.backends import (
 from arealcli.schema.components.datasets import MARGIN, PAIR, ChatArgs, PreferenceArgs, PromptAnswerArgs
 from arealcli.schema.components.interfaces import (
     RETURNS_OUTPUTS,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
     DPOArgs,
     JudgeRewardArgs,
     ModelRewardArgs,
@@ -34,6 +36,7 @@ from arealcli.schema.components.interfaces import (
     RewardArgs,
     RewardModelArgs,
     SFTArgs,
+    TopKDistillArgs,
 )
 from arealcli.schema.components.workflows import FunctionCallingArgs, ToolUseArgs
 from arealcli.schema.registry import (
@@ -178,6 +181,15 @@ _interface(
     needs_model=False,  # with `url:` none; without, the call's model judges (JudgeRewardArgs.needs_model)
     language_model=True,
     generates=True,
+)
+_interface(
+    "distill_topk",
+    f"{_R}.interfaces.distill_topk:TopKDistillInterface",
+    TopKDistillArgs,
+    TopKDistillArgs.__doc__,
+    ["inference", "train_step"],
+    language_model=True,
+    train_inputs=[TOPK_IDS, TOPK_LOGPROBS],
 )
 _interface(
     "remote_logprobs",

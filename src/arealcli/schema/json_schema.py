@@ -64,6 +64,9 @@ class PresetDataflow(StrictModel):
     teacher: RemoteLogprobsArgs | None = Field(
         None, description="distill: a teacher served elsewhere ({url: ...}), instead of models.teacher."
     )
+    topk: int | None = Field(
+        None, ge=1, description="distill: the exact KL over the teacher's top-k tokens (distill_topk)."
+    )
     sft_warmup_steps: int = Field(0, ge=0, description="SFT steps on the dataset's answers before RL.")
     model: Name = Field("default", description="The trained model (sft).")
 

@@ -32,16 +32,16 @@ from pydantic import BaseModel, Field, NonNegativeInt, ValidationError, field_va
 
 from arealcli.schema.base import Name, StrictModel
 from arealcli.schema.components.engine import GenerationHyperparameters
-from arealcli.schema.components.interfaces import RETURNS_OUTPUTS, PPOCriticArgs
+from arealcli.schema.components.interfaces import RETURNS_OUTPUTS, TOPK_IDS, TOPK_LOGPROBS, PPOCriticArgs
 from arealcli.schema.problems import problems_from_validation_error
 from arealcli.schema.registry import dataset_keys, suggest
 from arealcli.schema.source import Located, Path_, mapping_at
 
 # Preset keys each preset ignores: giving one is a mistake worth saying.
 UNUSED = {
-    "sft": ("actor", "critic", "reward", "shaping", "sft_warmup_steps", "teacher"),
-    "grpo": ("critic", "model", "teacher"),
-    "ppo": ("model", "teacher"),
+    "sft": ("actor", "critic", "reward", "shaping", "sft_warmup_steps", "teacher", "topk"),
+    "grpo": ("critic", "model", "teacher", "topk"),
+    "ppo": ("model", "teacher", "topk"),
     "distill": ("critic", "model"),
 }
 # The models a preset takes by name.
@@ -317,8 +317,28 @@ def _ppo(df: dict[str, Any], models: dict[str, Any]) -> Calls:
 
 def _distill(df: dict[str, Any], models: dict[str, Any]) -> Calls:
     """On-policy distillation: the actor samples, the teacher scores every token of the samples, and the
-    per-token reverse KL (optionally with a task reward) is the advantage, normalized over the batch."""
+    per-token reverse KL (optionally with a task reward) is the advantage, normalized over the batch.
+    With `topk`: the teacher's top-k tokens at each position, and a supervised KL loss toward them."""
+    if df.get("topk") is not None:
+        return _distill_topk(df, models)
     return _rl(df, models, adv_norm="batch", critic=False, distill=True)
+
+
+def _distill_topk(df: dict[str, Any], models: dict[str, Any]) -> Calls:
+    """actor_gen -> teacher_topk (distill_topk inference on the teacher) -> actor_train (distill_topk)."""
+    g = _RL.of(df, models, adv_norm=None, critic=False, distill=True)
+    g.actor.pop("shaping", None)  # no returns: the loss is the KL itself
+    args = {**g.actor, "topk": df["topk"]}
+    _warmup(g)
+    _generate(g)
+    topk = [TOPK_IDS, TOPK_LOGPROBS]
+    g.add(
+        "teacher",
+        _call("teacher_topk", "teacher", "distill_topk", args, "inference", ["packed_input_ids"], topk),
+    )
+    inputs = ["packed_input_ids", "prompt_mask", *topk, *g.episode]
+    g.add("actor", _call("actor_train", "actor", "distill_topk", args, "train_step", inputs, []))
+    return g.calls, g.origin
 
 
 EXPANDERS: dict[str, Callable[[dict[str, Any], dict[str, Any]], Calls]] = {
@@ -356,6 +376,13 @@ class PresetSpec(StrictModel):
         None,
         description="distill: a teacher served elsewhere, {url: ...} (interface remote_logprobs), instead of "
         "a `teacher` model of the recipe.",
+    )
+    topk: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="distill: train on the exact KL over the teacher's topk most likely tokens at each "
+        "position (interface distill_topk) instead of the sampled token's estimate with PPO.",
     )
     sft_warmup_steps: NonNegativeInt = Field(0, le=1 << 30, description="SFT steps before RL.")
     model: Name = Field("default", description="The trained model (sft).")
@@ -441,6 +468,20 @@ def _distill_problems(spec: PresetSpec, models: dict[str, Any]) -> list[tuple[Pa
                 "not both",
             )
         )
+    if spec.topk is not None:
+        for key, why in (
+            ("reward", "a task reward"),
+            ("teacher", "a served teacher"),
+            ("shaping", "shaping"),
+        ):
+            if getattr(spec, key) is not None:
+                problems.append(
+                    (
+                        ("dataflow", key),
+                        f"topk distillation trains on the KL to the teacher's top-k tokens alone: {why} "
+                        "does not enter it (drop `topk` for the sampled-token KL with PPO, which takes it)",
+                    )
+                )
     temperature = _temperature(spec.actor)
     if served and temperature != 1.0:
         problems.append(

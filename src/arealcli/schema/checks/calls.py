@@ -7,7 +7,7 @@ from typing import Any
 
 from arealcli.schema.checks.context import Graph, call_path
 from arealcli.schema.components.datasets import MARGIN, PAIR
-from arealcli.schema.components.interfaces import REF_LOGPROBS, RETURNS_OUTPUTS
+from arealcli.schema.components.interfaces import REF_LOGPROBS, RETURNS_OUTPUTS, TOPK_IDS, TOPK_LOGPROBS
 from arealcli.schema.problems import Problem
 from arealcli.schema.recipe import CallSpec
 from arealcli.schema.registry import INTERFACES, suggest
@@ -73,6 +73,11 @@ MADE_BY = {
     "renamed: output_key_remap: {packed_logprobs: packed_ref_logprobs})",
     PAIR: "given by a dataset of preference pairs (dataset.type_: preference)",
     MARGIN: "given by a dataset of preference pairs (dataset.type_: preference)",
+    **dict.fromkeys(
+        (TOPK_IDS, TOPK_LOGPROBS),
+        "made by an inference call of distill_topk on the teacher before this one (the distill preset "
+        "with `topk:` adds it)",
+    ),
 }
 
 

@@ -44,6 +44,8 @@ RETURNS_OUTPUTS = ("advantages", "returns", "seq_scores", "kl_coef")
 # The reference model's per-token log-probs: an inference call of the reference, its `packed_logprobs`
 # renamed (output_key_remap), read by the actor's KL term and by dpo's loss.
 REF_LOGPROBS = "packed_ref_logprobs"
+# top-k distillation: the teacher's k most likely next tokens at each position, and their log-probs
+TOPK_IDS, TOPK_LOGPROBS = "packed_topk_ids", "packed_topk_logprobs"
 
 
 class RewardShaping(StrictModel):
@@ -259,6 +261,16 @@ class PPOCriticArgs(StrictModel):
         1.0, gt=0, description="Multiplier on the backend's learning rate for this interface's updates."
     )
     sample_reuse: PositiveInt = Field(1, le=1024, description="Passes over the batch.")
+
+
+class TopKDistillArgs(PPOActorArgs):
+    """Top-k on-policy distillation: the teacher's k most likely next tokens at each position of the
+    student's samples (inference on the teacher), and the student trained on the KL from them (train_step);
+    generation and the held-out evaluation are the actor's."""
+
+    topk: PositiveInt = Field(
+        16, le=1 << 20, description="Teacher tokens per position (the vocabulary's size: the exact KL)."
+    )
 
 
 class RewardModelArgs(StrictModel):
