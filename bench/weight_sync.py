@@ -15,10 +15,13 @@ Generators: `local` (in-process, `backend: local`), `embedded` (an `areal serve`
 sglang backend, `launch: embedded`), `vllm` (vLLM's CPU build launched by the vllm backend; needs a
 python with vllm: --vllm-python or env AREALCLI_VLLM_PYTHON, else it is skipped with the reason). With
 `--lora R`, the trained model has LoRA adapters of rank R on every linear layer: `local` then receives
-the adapters alone, the servers the merged weights.
+the adapters alone in memory, `embedded` the adapters alone on disk (its server merges them into its copy
+of the base: `lora_updates: adapters`), `embedded-merged` the merged weights every time (`lora_updates:
+merged`, the row to compare with), vLLM the merged weights. `moved` is what one update sends.
 
     python bench/weight_sync.py                               # local, embedded, vllm; 3 updates each
     python bench/weight_sync.py --only local --lora 16
+    python bench/weight_sync.py --lora 8 --only embedded embedded-merged   # adapter-only against merged
     python bench/weight_sync.py --only embedded --untied --repeats 5
 
 Qwen2-0.5B ties its output layer to the embeddings; vLLM's CPU build cannot reload a tied output layer in
@@ -85,8 +88,11 @@ def build_follower(kind: str, source_module, tokenizer, run_dir: Path, vllm_pyth
     if kind == "local":
         backend = LocalBackend(LocalBackendArgs(device="cpu", num_threads=0))
         return backend.initialize(Model("gen", copy.deepcopy(source_module), tokenizer), spec)
-    if kind == "embedded":
-        backend = SGLangBackend(SGLangBackendArgs(launch="embedded", device="cpu", startup_timeout_s=900))
+    if kind in ("embedded", "embedded-merged"):
+        updates = "merged" if kind == "embedded-merged" else "adapters"
+        backend = SGLangBackend(
+            SGLangBackendArgs(launch="embedded", device="cpu", startup_timeout_s=900, lora_updates=updates)
+        )
         return backend.initialize(Model("gen", source_module, tokenizer), spec)
     args = VLLMBackendArgs(
         launch=True,
@@ -138,20 +144,24 @@ def measure(kind: str, args, tokenizer) -> dict:
         )
         sync = WeightSync(recipe, {"actor": source, "gen": follower}, tokenizer, run_dir)  # type: ignore[arg-type]
         exports: list[float] = []
-        real_export = sync.export
 
-        def timed_export(src: str, version: int) -> Path:
-            t = time.perf_counter()
-            try:
-                return real_export(src, version)
-            finally:
-                exports.append(time.perf_counter() - t)
+        def timed(real):
+            def export(src: str, version: int) -> tuple[Path, int]:
+                t = time.perf_counter()
+                try:
+                    return real(src, version)
+                finally:
+                    exports.append(time.perf_counter() - t)
 
-        sync.export = timed_export  # type: ignore[method-assign]
+            return export
+
+        sync.export = timed(sync.export)  # type: ignore[method-assign]
+        sync.export_adapters = timed(sync.export_adapters)  # type: ignore[method-assign]
         g = GenerationHyperparameters(greedy=True, max_new_tokens=1)
         eos = {tokenizer.eos_token_id}
         rows = []
-        sent = []
+        sent: list[float] = []
+        moved_by = "on disk"
         load0 = threads._sample()
         try:
             sync.sync()  # the first update (LoRA: base and adapters): not timed
@@ -161,14 +171,17 @@ def measure(kind: str, args, tokenizer) -> dict:
                 version = source.version.global_step
                 exports.clear()
                 t_end = time.perf_counter()
-                sync.sync({"actor": version - 1})
+                stats = sync.sync({"actor": version - 1})
                 t_synced = time.perf_counter()
+                if "weight_sync/actor_bytes" in stats:  # what went to the follower through disk
+                    sent.append(stats["weight_sync/actor_bytes"])
                 (sample,) = follower.module.submit_group([20, 21, 22], g, eos, 1).result(timeout=900)
                 t_served = time.perf_counter()
                 assert sample.versions() == (version, version), sample.versions()
                 rows.append((t_synced - t_end, t_served - t_synced, t_served - t_end, sum(exports)))
                 if sync.whole.get("actor"):  # what went to the follower in memory
                     sent.append(sync.weights_for("actor", "gen").nbytes())
+                    moved_by = "in memory"
             load1 = threads._sample()
         finally:
             follower.backend.destroy(follower)
@@ -176,7 +189,7 @@ def measure(kind: str, args, tokenizer) -> dict:
         gc.collect()
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
     dtype = "bf16 (served), fp32 export" if kind == "vllm" else "fp32"
-    moved = f"{statistics.median(sent) / 2**20:.0f} MiB in memory" if sent else "HF export on disk"
+    moved = f"{statistics.median(sent) / 2**20:.1f} MiB {moved_by}" if sent else "?"
     return {
         "generator": kind + (f" (LoRA r={args.lora})" if args.lora else ""),
         "params": f"{params / 1e6:.0f}M" + (" tied" if tied else " untied"),
@@ -206,7 +219,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", nargs="+", choices=["local", "embedded", "vllm"], default=None)
+    parser.add_argument(
+        "--only", nargs="+", choices=["local", "embedded", "embedded-merged", "vllm"], default=None
+    )
     parser.add_argument("--repeats", type=int, default=3, help="Timed updates per generator (median shown).")
     parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="LoRA adapters of this rank.")
     parser.add_argument("--untied", action="store_true", help="An untied output layer in every row.")
@@ -220,6 +235,8 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     tokenizer = char_tokenizer()
     kinds = args.only or ["local", "embedded", "vllm"]
+    if args.lora and args.only is None:
+        kinds.insert(2, "embedded-merged")
     results, skipped = [], []
     for kind in kinds:
         if kind == "vllm":

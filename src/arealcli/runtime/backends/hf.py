@@ -20,7 +20,8 @@ from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.lm_output import LMOutput
 from arealcli.runtime.engines.train import TrainEngine, average_gradients, clip_and_step
 from arealcli.runtime.generation import sampling as generation
-from arealcli.runtime.models.lora import ADAPTER_DIR, is_lora, with_lora
+from arealcli.runtime.models.lora import ADAPTER_DIR, is_lora, save_adapter_update, with_lora
+from arealcli.runtime.models.lora import save_base as save_lora_base
 from arealcli.runtime.models.model import DTYPES, FinetuneSpec, Model
 from arealcli.runtime.models.weights import load_plain
 from arealcli.runtime.optim import begin_step, build_optimizer, require_optimizer
@@ -172,6 +173,16 @@ class HFEngine(TrainEngine):
             self.module.save_pretrained(save_dir, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(save_dir)
+
+    def save_base(self, save_dir: str) -> None:
+        """LoRA: the base weights the adapters apply to (for servers that take adapter-only updates)."""
+        if distributed.rank() == 0:
+            save_lora_base(self.module, save_dir)
+
+    def save_adapter_update(self, save_dir: str) -> None:
+        """LoRA: the adapters alone, as an update to the base saved by `save_base` in the folder above."""
+        if distributed.rank() == 0:
+            save_adapter_update(self.module, save_dir)
 
     # ------------------------------------------------------------------ state
 

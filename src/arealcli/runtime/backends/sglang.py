@@ -58,6 +58,12 @@ class SGLangBackend(ModelBackend):
         self.client: GenerationClient | None = None
         self._tmp_dir: str | None = None
 
+    @property
+    def applies_adapter_updates(self) -> bool:
+        """Do its servers take adapter-only updates of a LoRA model (our embedded server does)?"""
+        a = self.args
+        return getattr(a, "launch", None) == "embedded" and getattr(a, "lora_updates", "merged") == "adapters"
+
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         a: SGLangBackendArgs = self.args
         try:

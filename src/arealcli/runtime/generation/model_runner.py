@@ -13,6 +13,7 @@ import torch
 
 from arealcli.runtime.generation import decoder as lean_decoder
 from arealcli.runtime.generation import sampling as generation
+from arealcli.runtime.models.lora import apply_adapter_update, is_adapter_update
 from arealcli.runtime.models.model import DTYPES
 from arealcli.runtime.models.value_head import is_classifier_dir
 from arealcli.runtime.models.weights import load_state
@@ -27,6 +28,9 @@ class RowResult:
 
 
 class ModelRunner:
+    # the base weights adapter-only updates apply to: (its folder, its tensors), kept once read
+    _lora_base: tuple[str, dict[str, torch.Tensor]] | None = None
+
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32"):
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -219,8 +223,41 @@ class ModelRunner:
 
     def load_weights(self, path: str, root: str | None = None) -> None:
         """Load an HF export in place; every tensor is read and checked first, so a bad directory leaves
-        the weights untouched. With `root` (a server confined to one folder), see `read_weights`."""
+        the weights untouched. With `root` (a server confined to one folder), see `read_weights`.
+
+        A folder holding an adapter-only update (models/lora.py) applies to the base weights in the folder
+        above it: that base is read once (and again when an update names another), kept, and each update
+        loads W + (B A) * scale into the adapted layers; the base itself is never rebuilt or re-read."""
         state = read_weights(path, root)
+        if is_adapter_update(state):
+            self._apply_adapters(path, state, root)
+            return
+        self._check_fits(path, state)
+        load_state(self.module, state, f"weights {path}")
+        self.model_path = str(path)
+        self._lora_base = None  # a full load: the next adapter update reads its base again
+
+    def _apply_adapters(self, path: str, update: dict[str, torch.Tensor], root: str | None) -> None:
+        base_dir = os.path.dirname(os.path.normpath(path))
+        fresh = self._lora_base is None or self._lora_base[0] != base_dir
+        base = (base_dir, read_weights(base_dir, root)) if fresh else self._lora_base
+        assert base is not None
+        if fresh:
+            self._check_fits(base_dir, base[1])
+        merged = apply_adapter_update(base[1], update)  # checked against the base before anything loads
+        own = self.module.state_dict()
+        wrong = [k for k, v in merged.items() if k not in own or tuple(own[k].shape) != tuple(v.shape)]
+        if wrong:
+            raise ValueError(f"the adapter update in {path} does not fit the served model: {wrong[:5]}")
+        if fresh:  # the base under the layers the adapters leave alone (embeddings, norms)
+            load_state(self.module, base[1], f"weights {base_dir}")
+        with torch.no_grad():
+            for key, value in merged.items():
+                own[key].copy_(value)
+        self._lora_base = base
+        self.model_path = str(path)
+
+    def _check_fits(self, path: str, state: dict[str, torch.Tensor]) -> None:
         own = {k: tuple(v.shape) for k, v in self.module.state_dict().items()}
         shapes = {k: tuple(v.shape) for k, v in state.items()}
         unexpected = sorted(set(shapes) - set(own))
@@ -231,8 +268,6 @@ class ModelRunner:
                 f"the weights in {path} do not fit the served model: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
             )
-        load_state(self.module, state, f"weights {path}")
-        self.model_path = str(path)
 
 
 class WeightsRefused(PermissionError):

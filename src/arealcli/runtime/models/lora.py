@@ -19,6 +19,9 @@ from arealcli.errors import UserError
 ADAPTER_DIR = "adapter"
 ADAPTER_FILE = "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # peft's prefix before the base model's own parameter names
+# An adapter-only weight update (to a generation server that keeps the base): peft's adapter tensors and
+# this scalar, in a folder inside the folder of the base weights it applies to.
+SCALE_KEY = "areal.lora_scale"
 
 
 def with_lora(module, cfg, seed: int):
@@ -115,3 +118,58 @@ def adapter_state(load_dir: str, adapter: str = "default") -> dict[str, torch.Te
         ): v
         for k, v in saved.items()
     }
+
+
+def save_base(peft_module, save_dir: str) -> None:
+    """The base weights of a LoRA model (what its adapters apply to), unmerged, under the base model's own
+    names, as safetensors in `save_dir` (a tied output layer is left out: it is the embeddings)."""
+    from safetensors.torch import save_file
+
+    base, _ = split_lora_state(peft_module.state_dict())
+    seen: set[int] = set()
+    out = {}
+    for key, value in base.items():  # tied weights share storage: the first name keeps it
+        if value.data_ptr() in seen:
+            continue
+        seen.add(value.data_ptr())
+        out[key] = value.detach().contiguous().cpu()
+    os.makedirs(save_dir, exist_ok=True)
+    save_file(out, os.path.join(save_dir, "model.safetensors"))
+
+
+def save_adapter_update(peft_module, save_dir: str, adapter: str = "default") -> None:
+    """An adapter-only update in `save_dir`: peft's adapter tensors with the scale (SCALE_KEY), and its
+    adapter_config.json. It applies to the base weights in the folder above it (`apply_adapter_update`)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    os.makedirs(save_dir, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(peft_module).items()}
+    tensors[SCALE_KEY] = torch.tensor(scaling(peft_module, adapter), dtype=torch.float64)
+    save_file(tensors, os.path.join(save_dir, ADAPTER_FILE))
+    peft_module.peft_config[adapter].save_pretrained(save_dir)
+
+
+def is_adapter_update(state: dict[str, torch.Tensor]) -> bool:
+    return SCALE_KEY in state
+
+
+def apply_adapter_update(
+    base: dict[str, torch.Tensor], update: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The adapted weights of an update, under the base model's names: W + (B A) * scale, the arithmetic
+    of peft's merge (so a server merging them holds what the trainer's merged export holds)."""
+    scale = float(update[SCALE_KEY])
+    out = {}
+    for key, a in update.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        stem = key.removeprefix(_PREFIX).removesuffix(".lora_A.weight")
+        b = update.get(f"{_PREFIX}{stem}.lora_B.weight")
+        w = base.get(f"{stem}.weight")
+        if b is None or w is None or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
+            raise ValueError(f"the adapter update does not fit the base weights at {stem}")
+        out[f"{stem}.weight"] = w + ((b.float() @ a.float()) * scale).to(w.dtype)
+    if not out:
+        raise ValueError("the adapter update holds no adapter")
+    return out

@@ -9,7 +9,10 @@ generation:
 - otherwise through disk: the weights are exported (HF format, merged with LoRA, atomically) to
   `<run_dir>/weights/<source>/v<version>` and the follower loads them through its backend's
   `update_weights` (servers: `/update_weights_from_disk`, vLLM's reload). Only the newest `keep_last`
-  exports are kept.
+  exports are kept. A LoRA source's followers on servers that take adapter updates (embedded servers,
+  `lora_updates: adapters`) get the base once, `weights/<source>/base`, and then the adapters alone,
+  `weights/<source>/base/a<version>`, which the server merges into its copy of the base.
+  `weight_sync/<source>_bytes` is what a step's update wrote.
 A follower's `version.global_step` is the source version it holds: generated samples record it.
 """
 
@@ -29,6 +32,11 @@ from arealcli.runtime.run.checkpoint import is_disk_full
 from arealcli.schema.recipe import Recipe
 
 
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files directly in `path` (an export, or an adapter update: what a follower reads)."""
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
 class WeightSync:
     def __init__(self, recipe: Recipe, models: dict[str, Model], tokenizer: Any, run_dir: Path, keep_last=2):
         self.models, self.tokenizer, self.run_dir, self.keep_last = models, tokenizer, run_dir, keep_last
@@ -38,6 +46,7 @@ class WeightSync:
                 self.followers.setdefault(spec.weights_from, []).append(name)
         self.has_base: set[str] = set()  # followers holding a LoRA source's base: adapters suffice
         self.whole: dict[str, bool] = {}  # sources whose engine holds its weights whole in this process
+        self.base_written: set[str] = set()  # LoRA sources whose base this run exported (adapter updates)
 
     def versions(self) -> dict[str, int]:
         return {src: self.models[src].version.global_step for src in self.followers}
@@ -56,13 +65,21 @@ class WeightSync:
                 follower = self.models[name]
                 follower.backend.update_weights_in_memory(follower, self.weights_for(src, name), version)
                 follower.version.global_step = version
-            if on_disk:
-                path = self.export(src, version)
-                for name in on_disk:
+            adapters = [n for n in on_disk if self._adapters_only(src, n)]
+            full = [n for n in on_disk if n not in adapters]
+            written = 0
+            for names, export in ((adapters, self.export_adapters), (full, self.export)):
+                if not names:
+                    continue
+                path, nbytes = export(src, version)
+                written += nbytes
+                for name in names:
                     follower = self.models[name]
                     follower.backend.update_weights(follower, str(path), version)
                     follower.version.global_step = version
             stats[f"timing/weight_sync_{src}_s"] = time.perf_counter() - t0
+            if on_disk:
+                stats[f"weight_sync/{src}_bytes"] = float(written)
         return stats
 
     def _in_memory(self, src: str, name: str) -> bool:
@@ -73,6 +90,50 @@ class WeightSync:
             probe = getattr(self.models[src].module, "weights_in_memory", None)
             self.whole[src] = probe is not None and probe(adapters_apart=True) is not None
         return self.whole[src]
+
+    def _adapters_only(self, src: str, name: str) -> bool:
+        """Does follower `name` take adapter-only updates of `src` (a LoRA model whose engine writes them)?"""
+        engine = self.models[src].module
+        return (
+            getattr(self.models[name].backend, "applies_adapter_updates", False)
+            and getattr(engine, "lora", False)
+            and hasattr(engine, "save_adapter_update")
+        )
+
+    def export_adapters(self, src: str, version: int) -> tuple[Path, int]:
+        """`weights/<src>/base/a<version>`: the adapters alone, applying to the base weights in
+        `weights/<src>/base`, written at the first update of this run (a resumed run writes it again)."""
+        base = self.run_dir / "weights" / src / "base"
+        engine = self.models[src].module
+        written = 0
+        if src not in self.base_written:
+            written += folder_bytes(self._atomic(base, engine.save_base))
+            self.base_written.add(src)
+        final = self._atomic(base / f"a{version}", engine.save_adapter_update)
+        written += folder_bytes(final)
+        if distributed.rank() == 0:
+            updates = {int(p.name[1:]): p for p in base.glob("a*") if p.name[1:].isdigit()}
+            kept = sorted(v for v in updates if v <= version)[-self.keep_last :]
+            for v, old in updates.items():
+                if v not in kept:
+                    shutil.rmtree(old, ignore_errors=True)
+        distributed.barrier()
+        return final, written
+
+    def _atomic(self, final: Path, write) -> Path:
+        """`write(folder)` into a temporary folder beside `final`, then renamed to it (rank 0 writes)."""
+        tmp = final.with_name(f".tmp-{final.name}")
+        if distributed.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+        distributed.barrier()
+        write(str(tmp))
+        distributed.barrier()
+        if distributed.rank() == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        distributed.barrier()
+        return final
 
     def weights_for(self, src: str, name: str) -> WeightsInMemory:
         """What follower `name` needs of `src`'s weights now: all of them (LoRA merged), or, to a follower
@@ -86,7 +147,7 @@ class WeightSync:
         self.has_base.add(name)
         return weights
 
-    def export(self, src: str, version: int) -> Path:
+    def export(self, src: str, version: int) -> tuple[Path, int]:
         root = self.run_dir / "weights" / src
         final = root / f"v{version}"
         tmp = root / f".tmp-v{version}"
@@ -116,4 +177,4 @@ class WeightSync:
                 if old in newer or v not in kept:
                     shutil.rmtree(old, ignore_errors=True)
         distributed.barrier()
-        return final
+        return final, folder_bytes(final)

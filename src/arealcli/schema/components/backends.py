@@ -367,6 +367,12 @@ class SGLangBackendArgs(ServerFleetArgs):
     abort_on_update: bool = Field(
         True, description="Abort in-flight requests on a weight update (they are re-sent) instead of waiting."
     )
+    lora_updates: Literal["adapters", "merged"] = Field(
+        "adapters",
+        description="Following a LoRA model on launched embedded servers: send its base once and then the "
+        "adapters alone (the servers merge them into their copy of the base), or the merged weights every "
+        "time. Other servers always get merged weights.",
+    )
 
     @model_validator(mode="after")
     def _one_mode(self) -> SGLangBackendArgs:
