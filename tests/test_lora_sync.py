@@ -138,3 +138,41 @@ def test_adapter_only_sync_generates_what_merged_sync_generates(ws, cli, tmp_pat
     weights = tmp_path / "adapters" / "weights" / "actor"
     assert sorted(p.name for p in weights.iterdir()) == ["base"]
     assert sorted(p.name for p in (weights / "base").iterdir()) == ["a4", "a5", "model.safetensors"]
+
+
+def test_a_checkpoints_adapter_loads_with_peft_onto_the_base(ws, cli, tmp_path, model_dir):
+    """A LoRA run on a base model folder: its checkpoint's `adapter/` is peft's format, so
+    PeftModel.from_pretrained(base, adapter) gives the logits of the checkpoint's merged weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+    ws.text("train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    recipe = {
+        "experiment": "lora-peft",
+        "seed": 1,
+        "tokenizer": {"kind": "char"},
+        "models": {
+            "default": {
+                "path": str(model_dir),
+                "backend": {
+                    "type_": "hf",
+                    "args": {"device": "cpu", "optimizer": {"lr": 1e-2}, "lora": {"rank": 4, "alpha": 8}},
+                },
+            }
+        },
+        "dataset": {"type_": "prompt_answer", "args": {"path": "train.jsonl"}, "batch_size": 4},
+        "dataflow": {"preset": "sft"},
+        "trainer": {"max_steps": 3, "tensorboard": False},
+    }
+    result = cli("train", ws.text("peft.yaml", yaml.safe_dump(recipe)), "-o", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000003" / "default"
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), checkpoint / "adapter")
+    merged = AutoModelForCausalLM.from_pretrained(checkpoint)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(
+            AutoModelForCausalLM.from_pretrained(model_dir)(ids).logits, merged(ids).logits
+        )
