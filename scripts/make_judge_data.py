@@ -21,20 +21,14 @@ from pathlib import Path
 
 from make_preference_data import KINDS, PROMPT, near_miss, read_rows, write_rows
 
-WRONG = (*KINDS, "empty", "random", "high")
+WRONG = (*KINDS[:6], "empty", *KINDS[6:])  # the pairs' wrong answers and an empty one
 RIGHT_COPIES = 4
 
 
 def wrong_answer(kind: str, numbers: list[int], rng: random.Random) -> str:
-    """A wrong answer of `kind`: a near miss, nothing, any other two-digit number, or one above the
-    answer (the answers a policy writes once it has found that big numbers often pass)."""
-    best = max(numbers)
-    if kind == "empty":
-        return ""
-    if kind in ("random", "high"):
-        low = best + 1 if kind == "high" and best < 99 else 10
-        return str(rng.choice([x for x in range(low, 100) if x != best]))
-    return near_miss(kind, numbers, rng)
+    """A wrong answer of `kind`: the preference pairs' (near misses, any other number, one above the
+    answer: the answers a policy writes once it has found that big numbers often pass), or nothing."""
+    return "" if kind == "empty" else near_miss(kind, numbers, rng)
 
 
 def verdicts_of(rows: list[dict], rng: random.Random) -> list[dict]:

@@ -11,9 +11,12 @@ ever saw far-off answers is easy to fool):
   tens    its first digit off by 1 to 3                                   82 vs 52, 92
   junk    a digit replaced by another character                           82 vs 8), e2
   length  a digit missing or one too many                                  82 vs 8, 823
+  random  any other two-digit number                                      82 vs 17, 64
+  high    any number above the answer                                     82 vs 90, 97
 The kinds are the mistakes a policy made while GRPO trained on an earlier reward model's scores (its
 samples, sorted): it wrote answers one off in the last digit, and characters that are not digits, which
-that reward model, never shown such answers, scored above the right one.
+that reward model, never shown such answers, scored above the right one; and, from the judge quickstart,
+numbers far from the answer (a judge shown only near misses passed 95, 96, 97 for max(15,36,31)).
 Train pairs come from data/max3/train.jsonl (one of each kind per prompt, two of `digit`), test pairs
 from data/max3/test.jsonl (one of each kind; the held-out prompts of the quickstarts): train and test
 share no prompt.
@@ -28,7 +31,7 @@ import random
 import re
 from pathlib import Path
 
-KINDS = ("other", "above", "digit", "tens", "junk", "length")
+KINDS = ("other", "above", "digit", "tens", "junk", "length", "random", "high")
 TRAIN_EXTRA = ("digit",)  # the kind a policy exploits most (the last digit must match): twice in train
 JUNK = "!#$%&()*+-./:;<=>?@[]^_{|}~abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 PROMPT = re.compile(r"^max\((\d+),(\d+),(\d+)\)=$")
@@ -37,6 +40,9 @@ PROMPT = re.compile(r"^max\((\d+),(\d+),(\d+)\)=$")
 def near_miss(kind: str, numbers: list[int], rng: random.Random) -> str:
     """A wrong answer of `kind` for a prompt whose numbers are `numbers` (two digits each)."""
     best = max(numbers)
+    if kind in ("random", "high"):  # any other two-digit number; any number above the answer
+        low = best + 1 if kind == "high" and best < 99 else 10
+        return str(rng.choice([x for x in range(low, 100) if x != best]))
     if kind == "other":
         return str(rng.choice([x for x in numbers if x != best]))
     if kind == "junk":

@@ -1,5 +1,5 @@
 """The reward-model quickstarts learn: the reward model ranks held-out pairs (pairwise accuracy >= 95%),
-and GRPO with it as the only reward raises held-out accuracy as GRPO with the exact answers does.
+and GRPO with it as the only reward raises held-out accuracy and keeps it.
 
 They run the real recipes end to end, so they are marked slow; CI runs them.
 """
@@ -27,13 +27,12 @@ def train(recipe: str, run_dir: Path, *overrides: str) -> None:
 
 
 @pytest.mark.slow
-def test_the_reward_model_learns_and_grpo_on_it_first_raises_heldout_accuracy(tmp_path):
-    """The RM quickstart as shipped (2000 steps): held-out pairwise accuracy >= 95%. Then the RLHF
-    quickstart on its checkpoint, cut to its first 60 RL steps after the 60-step warm-up, where held-out
-    accuracy rises at least 5 points above the warm-up (61% -> 72% here). The whole run does not end near
-    GRPO with the exact answers: past that the policy exploits the reward model's mistakes and accuracy
-    falls back (docs/reward-models.md), which no test claims otherwise. About 7 + 1 minutes on two cores
-    with another job on one of them."""
+def test_the_reward_model_learns_and_grpo_on_it_raises_heldout_accuracy(tmp_path):
+    """The RM quickstart as shipped (2000 steps): held-out pairwise accuracy >= 95% (98.6% here). Then the
+    RLHF quickstart on its checkpoint (60 SFT + 190 GRPO steps): held-out accuracy rises at least 10
+    points above the warm-up (61.3% -> 76.6% here) and does not fall back more than 5 points from its best
+    (the previous pairs, without far-off answers, rose to 71.9% and fell to 60.9%: docs/reward-models.md);
+    the reward model's mean score of the samples rises. About 3 + 1 minutes on two idle cores."""
     rm = tmp_path / "rm"
     train("rm-quickstart.yaml", rm)
     evals = {r["step"]: r["eval/pairwise_accuracy"] for r in rows(rm) if "eval/pairwise_accuracy" in r}
@@ -42,9 +41,10 @@ def test_the_reward_model_learns_and_grpo_on_it_first_raises_heldout_accuracy(tm
 
     checkpoint = rm / "checkpoints" / "step_00002000" / "reward_model"
     rlhf = tmp_path / "rlhf"
-    train("rlhf-quickstart.yaml", rlhf, f"models.reward_model.path={checkpoint}", "trainer.max_steps=120")
+    train("rlhf-quickstart.yaml", rlhf, f"models.reward_model.path={checkpoint}")
     acc = {r["step"]: r["eval/accuracy"] for r in rows(rlhf) if "eval/accuracy" in r}
     print(f"rlhf: held-out accuracy {acc}")
-    assert max(acc[s] for s in (80, 100, 120)) >= acc[60] + 0.05, acc
+    assert acc[250] >= acc[60] + 0.10, acc
+    assert acc[250] >= max(acc.values()) - 0.05, acc
     rewards = [r["actor_train/reward"] for r in rows(rlhf) if "actor_train/reward" in r]
-    assert rewards[-1] > rewards[0], rewards  # the reward model's mean score of the samples rose
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards  # the reward model's mean score rose
