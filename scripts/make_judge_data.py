@@ -15,11 +15,9 @@ Usage: python scripts/make_judge_data.py [--out data/max3-judge] [--seed 0]
 
 from __future__ import annotations
 
-import argparse
 import random
-from pathlib import Path
 
-from make_preference_data import KINDS, PROMPT, near_miss, read_rows, write_rows
+from make_preference_data import KINDS, PROMPT, command_line, near_miss, read_rows, write_rows
 
 WRONG = (*KINDS[:6], "empty", *KINDS[6:])  # the pairs' wrong answers and an empty one
 RIGHT_COPIES = 4
@@ -49,18 +47,9 @@ def verdicts_of(rows: list[dict], rng: random.Random) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--source", default="data/max3", help="the task's folder (train.jsonl, test.jsonl)")
-    p.add_argument("--out", default="data/max3-judge")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
-    rng = random.Random(a.seed)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
+    source, rng, out = command_line(__doc__, "data/max3-judge")
     for split in ("train", "test"):
-        write_rows(
-            out / f"{split}.jsonl", verdicts_of(read_rows(Path(a.source) / f"{split}.jsonl"), rng), "verdicts"
-        )
+        write_rows(out / f"{split}.jsonl", verdicts_of(read_rows(source / f"{split}.jsonl"), rng), "verdicts")
 
 
 if __name__ == "__main__":

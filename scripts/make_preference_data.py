@@ -92,17 +92,22 @@ def write_rows(path: Path, rows: list[dict], what: str) -> None:
     print(f"{path}: {len(rows)} {what}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def command_line(doc: str, default_out: str) -> tuple[Path, random.Random, Path]:
+    """The task's folder, the random stream (--seed) and the output folder (made) of a data script."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--source", default="data/max3", help="the task's folder (train.jsonl, test.jsonl)")
-    p.add_argument("--out", default="data/arith-pairs")
+    p.add_argument("--out", default=default_out)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    rng = random.Random(a.seed)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    return Path(a.source), random.Random(a.seed), out
+
+
+def main() -> None:
+    source, rng, out = command_line(__doc__, "data/arith-pairs")
     for split, kinds in (("train", KINDS + TRAIN_EXTRA), ("test", KINDS)):
-        pairs = pairs_of(read_rows(Path(a.source) / f"{split}.jsonl"), kinds, rng)
+        pairs = pairs_of(read_rows(source / f"{split}.jsonl"), kinds, rng)
         write_rows(out / f"{split}.jsonl", pairs, "pairs")
 
 
