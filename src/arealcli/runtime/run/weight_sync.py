@@ -18,9 +18,11 @@ A follower's `version.global_step` is the source version it holds: generated sam
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,33 +109,55 @@ class WeightSync:
         engine = self.models[src].module
         written = 0
         if src not in self.base_written:
-            written += folder_bytes(self._atomic(base, engine.save_base))
+            written += folder_bytes(self._atomic(base, engine.save_base, src, version))
             self.base_written.add(src)
-        final = self._atomic(base / f"a{version}", engine.save_adapter_update)
-        written += folder_bytes(final)
-        if distributed.rank() == 0:
-            updates = {int(p.name[1:]): p for p in base.glob("a*") if p.name[1:].isdigit()}
-            kept = sorted(v for v in updates if v <= version)[-self.keep_last :]
-            for v, old in updates.items():
-                if v not in kept:
-                    shutil.rmtree(old, ignore_errors=True)
-        distributed.barrier()
-        return final, written
+        final = self._atomic(base / f"a{version}", engine.save_adapter_update, src, version)
+        self._prune(base, "a", version)
+        return final, written + folder_bytes(final)
 
-    def _atomic(self, final: Path, write) -> Path:
-        """`write(folder)` into a temporary folder beside `final`, then renamed to it (rank 0 writes)."""
+    def export(self, src: str, version: int) -> tuple[Path, int]:
+        """`weights/<src>/v<version>`: an HF export (LoRA merged)."""
+        root = self.run_dir / "weights" / src
+        save = functools.partial(self.models[src].module.save_to_hf, self.tokenizer)  # collective if sharded
+        final = self._atomic(root / f"v{version}", save, src, version)
+        self._prune(root, "v", version)
+        return final, folder_bytes(final)
+
+    def _atomic(self, final: Path, write: Callable[[str], None], src: str, version: int) -> Path:
+        """`write(folder)` into a temporary folder beside `final`, then renamed to it (rank 0 moves
+        files; `write` runs on every rank, a collective for sharded backends). A full disk is the user's
+        to fix: said, with nothing half-written left."""
         tmp = final.with_name(f".tmp-{final.name}")
         if distributed.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir(parents=True)
         distributed.barrier()
-        write(str(tmp))
+        try:
+            write(str(tmp))
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if is_disk_full(e, final.parent):
+                raise UserError(
+                    f"no space left on {final.parent} while exporting {src}'s weights (version {version})"
+                ) from None
+            raise
         distributed.barrier()
         if distributed.rank() == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
         distributed.barrier()
         return final
+
+    def _prune(self, root: Path, prefix: str, version: int) -> None:
+        """Of the `<prefix><N>` folders in `root`, keep the newest `keep_last` up to `version` (this one
+        always); newer ones were left by a run that went past the checkpoint it was resumed from."""
+        if distributed.rank() == 0:
+            found = {int(p.name[1:]): p for p in root.glob(f"{prefix}*") if p.name[1:].isdigit()}
+            kept = sorted(v for v in found if v <= version)[-self.keep_last :]
+            for v, old in found.items():
+                if v not in kept:
+                    shutil.rmtree(old, ignore_errors=True)
+        distributed.barrier()
 
     def weights_for(self, src: str, name: str) -> WeightsInMemory:
         """What follower `name` needs of `src`'s weights now: all of them (LoRA merged), or, to a follower
@@ -146,35 +170,3 @@ class WeightSync:
             return WeightsInMemory(adapters=weights.adapters, lora_config=weights.lora_config)
         self.has_base.add(name)
         return weights
-
-    def export(self, src: str, version: int) -> tuple[Path, int]:
-        root = self.run_dir / "weights" / src
-        final = root / f"v{version}"
-        tmp = root / f".tmp-v{version}"
-        if distributed.rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        distributed.barrier()
-        try:
-            self.models[src].module.save_to_hf(self.tokenizer, str(tmp))  # collective for sharded backends
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if is_disk_full(e, root):
-                raise UserError(
-                    f"no space left on {root} while exporting {src}'s weights (version {version})"
-                ) from None
-            raise
-        distributed.barrier()
-        if distributed.rank() == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            exports = {int(p.name[1:]): p for p in root.glob("v*") if p.name[1:].isdigit()}
-            # Newer than this one: left by a run that went past the checkpoint it was resumed from.
-            # Of the rest, the newest `keep_last` stay (this one always).
-            newer = [p for v, p in exports.items() if v > version]
-            kept = sorted(v for v in exports if v <= version)[-self.keep_last :]
-            for v, old in exports.items():
-                if old in newer or v not in kept:
-                    shutil.rmtree(old, ignore_errors=True)
-        distributed.barrier()
-        return final, folder_bytes(final)
