@@ -56,7 +56,11 @@ class Rule:
     @classmethod
     def of(cls, parse: JudgeParse) -> Rule:
         return cls(
-            dict(parse.labels) if parse.labels is not None else None,
+            (  # longest first: the longest label that fits the reply wins
+                dict(sorted(parse.labels.items(), key=lambda kv: -len(kv[0])))
+                if parse.labels is not None
+                else None
+            ),
             (parse.number[0], parse.number[1]) if parse.number is not None else None,
             re.compile(parse.regex) if parse.regex is not None else None,
         )
@@ -73,7 +77,7 @@ class Rule:
                 return None
         text = text.strip()
         if self.labels is not None:
-            for label in sorted(self.labels, key=len, reverse=True):
+            for label in self.labels:  # longest first (Rule.of)
                 if text.startswith(label) and (len(text) == len(label) or not text[len(label)].isalnum()):
                     return self.labels[label]
             return None
