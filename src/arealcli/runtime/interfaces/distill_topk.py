@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from arealcli.runtime import distributed
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.lm_output import LMOutput, takes_lm_output
 from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
-from arealcli.runtime.interfaces.rl_common import shuffled_minibatches
 from arealcli.runtime.interfaces.sft import answer_token_mask, num_answer_tokens
 from arealcli.runtime.models.model import Model
 from arealcli.schema.components.engine import MicroBatchSpec
@@ -82,24 +80,8 @@ class TopKDistillInterface(PPOActorInterface):
         )
 
     def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> dict[str, float]:
-        a = self.args
-        totals: dict[str, float] = {}
-        n_updates = 0
-        if data.bs or distributed.world() > 1:
-            for idx in shuffled_minibatches(data.bs, a.n_minibatches, model.version.global_step):
-                s = model.module.train_batch(
-                    data.subset(idx),
-                    mb_spec,
-                    topk_kl_loss,
-                    num_answer_tokens,
-                    version_steps=model.version.global_step,
-                    lr_scale=a.lr_scale,
-                )
-                for key, v in s.items():
-                    totals[key] = totals.get(key, 0.0) + v
-                n_updates += 1
-        stats = {key: v / max(n_updates, 1) for key, v in totals.items()}
+        seeds = [model.version.global_step]  # one pass over the student's samples
+        stats = self.minibatch_updates(model, data, mb_spec, topk_kl_loss, num_answer_tokens, seeds)
         stats["kl_topk"] = stats.get("loss", 0.0)
-        stats["n_updates"] = float(n_updates)
         model.inc_version()
         return stats

@@ -247,19 +247,33 @@ class PPOActorInterface(ModelInterface):
         """sample_reuse passes over `train`, each in n_minibatches shuffled minibatches, one optimizer
         step each; the statistics are their means."""
         a = self.args
+        seeds = [model.version.global_step * 1000 + epoch for epoch in range(a.sample_reuse)]
+        loss_fn = functools.partial(self._loss_fn, kl_coef=kl_coef)  # still marked (outputs_for)
+        return self.minibatch_updates(model, train, mb_spec, loss_fn, self._loss_weight, seeds)
+
+    def minibatch_updates(
+        self,
+        model: Model,
+        train: SequenceSample,
+        mb_spec: MicroBatchSpec,
+        loss_fn,
+        loss_weight,
+        seeds: list[int],
+    ) -> dict[str, float]:
+        """A pass over `train` per seed, each in n_minibatches minibatches shuffled by that seed, one
+        optimizer step each (every rank the same number); the statistics are their means, `n_updates`."""
         train_stats: dict[str, float] = {}
         n_updates = 0
         if train.bs or distributed.world() > 1:  # every rank steps the same number of times
-            for epoch in range(a.sample_reuse):
-                seed = model.version.global_step * 1000 + epoch
-                for idx in shuffled_minibatches(train.bs, a.n_minibatches, seed):
+            for seed in seeds:
+                for idx in shuffled_minibatches(train.bs, self.args.n_minibatches, seed):
                     s = model.module.train_batch(
                         train.subset(idx),
                         mb_spec,
-                        functools.partial(self._loss_fn, kl_coef=kl_coef),  # still marked (outputs_for)
-                        self._loss_weight,
+                        loss_fn,
+                        loss_weight,
                         version_steps=model.version.global_step,
-                        lr_scale=a.lr_scale,
+                        lr_scale=self.args.lr_scale,
                     )
                     for k, v in s.items():
                         train_stats[k] = train_stats.get(k, 0.0) + v
