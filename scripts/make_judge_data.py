@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 
-from make_preference_data import KINDS, PROMPT, command_line, near_miss, read_rows, write_rows
+from make_preference_data import KINDS, command_line, near_miss, numbers_of, read_rows, write_rows
 
 WRONG = (*KINDS[:6], "empty", *KINDS[6:])  # the pairs' wrong answers and an empty one
 RIGHT_COPIES = 4
@@ -32,10 +32,7 @@ def wrong_answer(kind: str, numbers: list[int], rng: random.Random) -> str:
 def verdicts_of(rows: list[dict], rng: random.Random) -> list[dict]:
     out = []
     for row in rows:
-        match = PROMPT.match(row["prompt"])
-        if match is None:
-            raise ValueError(f"not a max3 prompt: {row['prompt']!r}")
-        numbers = [int(x) for x in match.groups()]
+        numbers = numbers_of(row)
         right = str(max(numbers))
         for _ in range(RIGHT_COPIES):
             out.append({"prompt": f"{row['prompt']}{right}?", "answer": "Y", "kind": "right"})

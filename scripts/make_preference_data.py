@@ -61,14 +61,19 @@ def near_miss(kind: str, numbers: list[int], rng: random.Random) -> str:
             return str(wrong)
 
 
+def numbers_of(row: dict) -> list[int]:
+    """The three numbers of a max3 prompt (ValueError for any other prompt)."""
+    match = PROMPT.match(row["prompt"])
+    if match is None:
+        raise ValueError(f"not a max3 prompt: {row['prompt']!r}")
+    return [int(x) for x in match.groups()]
+
+
 def pairs_of(rows: list[dict], kinds: tuple[str, ...], rng: random.Random) -> list[dict]:
     """A pair of each of `kinds` per row."""
     out = []
     for row in rows:
-        match = PROMPT.match(row["prompt"])
-        if match is None:
-            raise ValueError(f"not a max3 prompt: {row['prompt']!r}")
-        numbers = [int(x) for x in match.groups()]
+        numbers = numbers_of(row)
         for kind in kinds:
             out.append(
                 {
