@@ -79,6 +79,10 @@ def test_a_fresh_server_applies_an_update_onto_the_base_above_it(char_tok, tmp_p
     assert all(torch.equal(own[k], v) for k, v in merged.items() if k in own)
 
 
+ROWS = [
+    {"prompt": f"max({a},{b},{c})=", "answer": str(max(a, b, c))}
+    for a, b, c in [(12, 45, 33), (71, 18, 64), (25, 90, 47), (56, 34, 81)]
+]
 RECIPE = {
     "experiment": "lora-sync",
     "seed": 1,
@@ -115,11 +119,7 @@ def test_adapter_only_sync_generates_what_merged_sync_generates(ws, cli, tmp_pat
     """Two runs, the embedded server following a LoRA actor by adapters alone and by merged weights:
     the same samples (the same losses and rewards at every step, temperature 1, same seeds), the
     adapter updates a fraction of the merged ones' bytes, and no full export written."""
-    rows = [
-        {"prompt": f"max({a},{b},{c})=", "answer": str(max(a, b, c))}
-        for a, b, c in [(12, 45, 33), (71, 18, 64), (25, 90, 47), (56, 34, 81)]
-    ]
-    ws.text("train.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    ws.text("train.jsonl", "".join(json.dumps(r) + "\n" for r in ROWS))
     recipe = ws.text("lora.yaml", yaml.safe_dump(RECIPE, sort_keys=False))
     runs = {}
     for mode in ("adapters", "merged"):

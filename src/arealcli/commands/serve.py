@@ -83,6 +83,15 @@ NumThreads = Annotated[
         min=0, help="torch CPU threads (0 = torch's default; 1 is fastest for small models on busy CPUs)."
     ),
 ]
+Lora = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        metavar="NAME=DIR",
+        help="Also serve the LoRA adapter in DIR (peft's format) as model NAME, over the same base weights; "
+        "repeat for more. Requests pick one by name (OpenAI `model`, SGLang `lora_path`).",
+    ),
+]
 LogRequests = Annotated[bool, typer.Option("--log-requests", help="Log every HTTP request.", metavar="")]
 
 
@@ -104,6 +113,7 @@ def serve(
     weight_version: WeightVersion = "default",
     num_threads: NumThreads = 0,
     log_requests: LogRequests = False,
+    lora: Lora = None,
 ) -> None:
     """Serve a model for generation: OpenAI's API under /v1 (completions, chat) and SGLang's native protocol.
 
@@ -114,13 +124,14 @@ def serve(
     areal serve --model runs/quickstart/checkpoints/step_00000250/actor
     areal serve --model runs/quickstart/checkpoints/step_00000250/actor --port 0
     areal serve --model /models/Qwen2.5-0.5B --device cuda --dtype bfloat16
+    areal serve --model /models/Qwen2.5-0.5B --lora math=runs/a/adapter --lora code=runs/b/adapter
     """
     from arealcli.runtime.serve import start
 
     flags = start.ServeFlags(  # the parameters above, in their order
         model, host, port, device.value, dtype.value, batch_window_ms, max_batch_size, max_n, max_body_mb,
         max_connections, max_requests, api_key, admin_key, allow_unauthenticated, weight_version,
-        num_threads, log_requests,
+        num_threads, log_requests, lora or [],
     )  # fmt: skip
     try:
         start.refuse(flags)
@@ -130,6 +141,8 @@ def serve(
 
     def ready(h: str, p: int) -> None:
         say(f"serving {model} at http://{h}:{p} (SGLang native protocol; OpenAI-compatible under /v1)")
+        if lora:
+            say("LoRA adapters, by model name: " + ", ".join(o.partition("=")[0] for o in lora))
         say(start.keys_line(api_key, admin_key))
 
     try:

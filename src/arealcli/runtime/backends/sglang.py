@@ -22,7 +22,7 @@ from arealcli.runtime.engines.inference import EventLoopThread, InferenceEngine,
 from arealcli.runtime.models.model import FinetuneSpec, Model
 from arealcli.runtime.models.weights import export_hf
 from arealcli.runtime.wire.auth import API_KEY_ENV, WEIGHTS_DIR_ENV, fresh_key
-from arealcli.runtime.wire.sglang import update_weights_payload
+from arealcli.runtime.wire.sglang import load_adapter_payload, update_weights_payload
 from arealcli.schema.components.backends import SGLangBackendArgs
 
 
@@ -31,15 +31,22 @@ class SGLangEngine(InferenceEngine):
     `abort_on_update`, requests in flight come back aborted and are continued on the new weights)."""
 
     def __init__(
-        self, client: GenerationClient, loop: EventLoopThread, name: str, abort_on_update: bool = True
+        self,
+        client: GenerationClient,
+        loop: EventLoopThread,
+        name: str,
+        abort_on_update: bool = True,
+        lora_name: str | None = None,
     ):
         super().__init__(client, loop, name)
-        self.client, self.abort_on_update = client, abort_on_update
+        self.client, self.abort_on_update, self.lora_name = client, abort_on_update, lora_name
 
     async def _update_weights(self, path: str, version: int) -> None:
-        await self.client.update_weights(
-            update_weights_payload(str(Path(path).resolve()), version, self.abort_on_update)
-        )
+        path = str(Path(path).resolve())
+        if self.lora_name is not None:  # an adapter update, served under its name beside the others
+            await self.client.update_weights(load_adapter_payload(self.lora_name, path, version))
+            return
+        await self.client.update_weights(update_weights_payload(path, version, self.abort_on_update))
 
 
 class SGLangBackend(ModelBackend):
@@ -62,6 +69,8 @@ class SGLangBackend(ModelBackend):
     def applies_adapter_updates(self) -> bool:
         """Do its servers take adapter-only updates of a LoRA model (our embedded server does)?"""
         a = self.args
+        if getattr(a, "lora_name", None) is not None:
+            return True
         return getattr(a, "launch", None) == "embedded" and getattr(a, "lora_updates", "merged") == "adapters"
 
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
@@ -77,13 +86,14 @@ class SGLangBackend(ModelBackend):
                 max_abort_resends=a.max_abort_resends,
                 supervisor=self.supervisor,
                 api_key=self.api_key if a.launch is not None else a.key(),
+                adapter=a.lora_name,
             )
             self.loop = EventLoopThread()
             self.loop.run(self.client.check_all())
         except BaseException:
             self.destroy(model)
             raise
-        model.module = SGLangEngine(self.client, self.loop, model.name, a.abort_on_update)
+        model.module = SGLangEngine(self.client, self.loop, model.name, a.abort_on_update, a.lora_name)
         return model
 
     def _launch(self, model: Model, spec: FinetuneSpec) -> list[str]:

@@ -134,6 +134,7 @@ class GenerationClient(GroupGenerator):
         supervisor: Any = None,
         reconnect_timeout_s: float = 60.0,
         api_key: str | None = None,
+        adapter: str | None = None,
     ):
         if not addresses:
             raise ValueError("a generation client needs at least one server address")
@@ -151,6 +152,7 @@ class GenerationClient(GroupGenerator):
             self.why_down = supervisor.why_down
         self.reconnect_timeout_s = reconnect_timeout_s
         self.headers = bearer(api_key)
+        self.adapter = adapter  # a served LoRA adapter's name: every request is generated with it
         self.current_update: Any = None  # the newest weight update: a restarted server gets it
         self.events: list[str] = []  # restarts and reconnections, for the console (taken by the trainer)
         self.restarts, self.time_lost_s = 0, 0.0
@@ -408,10 +410,11 @@ class GenerationClient(GroupGenerator):
 
     async def _apply_update(self, s: _Server, update: Any) -> None:
         """Load weight update `update` (what `update_weights` was given) on the one server `s`."""
-        answer = await self._send_watched(s, "POST", "/update_weights_from_disk", update)
-        result = _json_or_raise(answer, s.address, "/update_weights_from_disk", allow_400=True)
+        path = _update_path(update)
+        answer = await self._send_watched(s, "POST", path, update)
+        result = _json_or_raise(answer, s.address, path, allow_400=True)
         if not result.get("success"):
-            raise GenerationServerError(f"{s.address}: {result.get('message')}")
+            raise GenerationServerError(f"{s.address}: {_message(result)}")
 
     async def _reconnect(self) -> bool:
         """No server given by address answers: wait up to `reconnect_timeout_s` for one to answer
@@ -491,7 +494,7 @@ class GenerationClient(GroupGenerator):
         self._http()
         assert self._sem is not None
         async with self._sem:
-            out = await self.post("/generate", generate_payload(prompt, params, n))
+            out = await self.post("/generate", generate_payload(prompt, params, n, self.adapter))
         items = out if isinstance(out, list) else [out]
         if len(items) != n:
             raise GenerationServerError(f"/generate returned {len(items)} samples for n={n}")
@@ -524,17 +527,19 @@ class GenerationClient(GroupGenerator):
         return infos
 
     async def update_weights(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
-        """POST /update_weights_from_disk to every server. A server that cannot be reached is dropped for
-        good (it would generate with old weights) unless it is supervised: then it is restarted and gets
-        these weights before it serves again. An error if one refuses or none is left."""
+        """POST /update_weights_from_disk (or, for an adapter served by name, /load_lora_adapter) to every
+        server. A server that cannot be reached is dropped for good (it would generate with old weights)
+        unless it is supervised: then it is restarted and gets these weights before it serves again. An
+        error if one refuses or none is left."""
         if self.fatal is not None:
             raise self.fatal
         self.current_update = payload
         live = [s for s in self.servers if not s.stale and not _busy(s.recovering)]
+        path = _update_path(payload)
 
         async def one(s: _Server) -> Any:
-            answer = await self._send_watched(s, "POST", "/update_weights_from_disk", payload)
-            return _json_or_raise(answer, s.address, "/update_weights_from_disk", allow_400=True)
+            answer = await self._send_watched(s, "POST", path, payload)
+            return _json_or_raise(answer, s.address, path, allow_400=True)
 
         results = await asyncio.gather(*(one(s) for s in live), return_exceptions=True)
         failures, answers = [], []
@@ -551,7 +556,7 @@ class GenerationClient(GroupGenerator):
             elif isinstance(r, BaseException):
                 failures.append(f"{s.address}: {r}")
             elif not r.get("success"):
-                failures.append(f"{s.address}: {r.get('message')}")
+                failures.append(f"{s.address}: {_message(r)}")
             else:
                 s.update = payload
                 answers.append(r)
@@ -562,6 +567,16 @@ class GenerationClient(GroupGenerator):
                 "weight update reached no generation server: " + ", ".join(s.address for s in self.servers)
             )
         return answers
+
+
+def _update_path(update: dict[str, Any]) -> str:
+    """The endpoint of a weight update: an adapter served by name, or the whole weights."""
+    return "/load_lora_adapter" if "lora_name" in update else "/update_weights_from_disk"
+
+
+def _message(answer: dict[str, Any]) -> Any:
+    """Why an update failed (SGLang's weight answers say `message`, its adapter answers `error_message`)."""
+    return answer.get("message") or answer.get("error_message")
 
 
 def _busy(task: Any) -> bool:

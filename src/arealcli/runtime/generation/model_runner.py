@@ -13,6 +13,7 @@ import torch
 
 from arealcli.runtime.generation import decoder as lean_decoder
 from arealcli.runtime.generation import sampling as generation
+from arealcli.runtime.generation.adapters import Adapter, ServedAdapters
 from arealcli.runtime.models.lora import apply_adapter_update, is_adapter_update
 from arealcli.runtime.models.model import DTYPES
 from arealcli.runtime.models.value_head import is_classifier_dir
@@ -69,6 +70,7 @@ class ModelRunner:
 
     def _attach(self, module, config, tokenizer) -> None:
         self.module = module.to(self.device).eval()
+        self.adapters = ServedAdapters(self.module)  # LoRA adapters requests pick by name (`load_adapter`)
         self.tokenizer = tokenizer
         self.vocab_size = self.module.get_input_embeddings().num_embeddings
         self.context_length = int(getattr(config, "max_position_embeddings", 1 << 20))
@@ -131,8 +133,10 @@ class ModelRunner:
         sampling: Sampling,
         max_new_tokens: int,
         should_abort: Callable[[], bool],
+        adapter: str | None = None,
     ) -> list[RowResult]:
-        """Sample up to `max_new_tokens` for every prompt with the same params; stops early on abort."""
+        """Sample up to `max_new_tokens` for every prompt with the same params (and the same adapter, or
+        the base); stops early on abort."""
         eos = set() if sampling.ignore_eos else self.eos_ids
         g = sampling.hyperparameters(max_new_tokens)
         texts = None
@@ -142,7 +146,7 @@ class ModelRunner:
                     f"{self.model_path} has no tokenizer: stop texts need one (use stop_token_ids)"
                 )
             texts = generation.StopTexts(sampling.stop, self.decode)
-        with self.autocast():
+        with self.autocast(), self.adapters.use([adapter] * len(prompts)):
             res = generation.generate(
                 self.module,
                 prompts,
@@ -169,7 +173,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def score(
-        self, rows: list[tuple[list[int], int]], top_n: int = 0, g=None
+        self, rows: list[tuple[list[int], int]], top_n: int = 0, g=None, adapter: str | None = None
     ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
         """For each (ids, start), start >= 1: the log-prob of ids[p] after ids[:p] for p = start ..
         len(ids) - 1, and (top_n > 0) the top_n most likely tokens there as (token, log-prob), best first.
@@ -184,7 +188,8 @@ class ModelRunner:
             while end < len(rows) and max(longest, len(rows[end][0])) * (end - at + 1) <= budget:
                 longest = max(longest, len(rows[end][0]))
                 end += 1
-            out += self._score_batch(rows[at:end], top_n, g)
+            with self.adapters.use([adapter] * (end - at)):
+                out += self._score_batch(rows[at:end], top_n, g)
             at = end
         return out
 
@@ -236,6 +241,12 @@ class ModelRunner:
         load_state(self.module, state, f"weights {path}")
         self.model_path = str(path)
         self._lora_base = None  # a full load: the next adapter update reads its base again
+
+    def load_adapter(self, name: str, path: str, root: str | None = None, version: str = "") -> Adapter:
+        """Serve the LoRA adapter in folder `path` (peft's format, or a LoRA run's adapter-only update) as
+        `name`, beside the base and the other adapters; a new folder under a served name replaces it. Read
+        like weights (`read_weights`: confined below `root` when given) and checked before it is served."""
+        return self.adapters.add(name, path, read_weights(path, root), version)
 
     def _apply_adapters(self, path: str, update: dict[str, torch.Tensor], root: str | None) -> None:
         base_dir = os.path.dirname(os.path.normpath(path))

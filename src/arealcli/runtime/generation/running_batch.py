@@ -97,7 +97,7 @@ class RunningBatch:
         return Row(s, s.sampling.batch_key(), frozenset(r.stop_ids(s.sampling)), min_new, texts)
 
     def _prefill(self, rows: list[Row]) -> None:
-        with self.runner.autocast():
+        with self.runner.autocast(), self.runner.adapters.use([row.seq.adapter for row in rows]):
             logits = self.decoder.add(
                 [row.seq.prompt for row in rows],
                 [len(row.seq.prompt) + row.seq.max_new_tokens for row in rows],
@@ -118,7 +118,7 @@ class RunningBatch:
     def forward(self) -> None:
         """One decoding step: feed every row its last token; the logits of the next."""
         assert self.tokens is not None and len(self.tokens) == len(self.rows)
-        with self.runner.autocast():
+        with self.runner.autocast(), self.runner.adapters.use([row.seq.adapter for row in self.rows]):
             self.logits = self.decoder.step(self.tokens)
         self.tokens = None
 

@@ -34,6 +34,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from typing import TypeVar
 
 from arealcli.runtime.generation.model_runner import WeightsRefused
 from arealcli.runtime.generation.running_batch import RunningBatch
@@ -41,6 +42,14 @@ from arealcli.runtime.generation.sequence import Sequence
 from arealcli.runtime.wire.sglang import Sampling, finish_abort, finish_length, finish_stop
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class UnknownAdapter(KeyError):
+    """A request for an adapter the server does not serve (never loaded, or unloaded)."""
+
+    def __str__(self) -> str:
+        return f"the adapter {self.args[0]!r} is not served here (load it first: /load_lora_adapter)"
 
 
 class Scheduler:
@@ -117,7 +126,7 @@ class Scheduler:
             queued = list(self._queue)
             self._queue.clear()
         for s in queued:
-            s.complete(finish_abort(message), version=self.weight_version)
+            s.complete(finish_abort(message), version=self.version_of(s))
         return len(queued)
 
     def abort(self, seqs: list[Sequence], message: str = "Aborted: the client went away") -> None:
@@ -131,13 +140,23 @@ class Scheduler:
                 self._queue = deque(s for s in self._queue if not s.cancelled)
             self.stats["aborted"] += len(queued)
         for s in queued:
-            s.complete(finish_abort(message), version=self.weight_version)
+            s.complete(finish_abort(message), version=self.version_of(s))
 
-    def score(self, rows: list[tuple[list[int], int]], top_n: int, g=None):
-        """`runner.score(rows, top_n, g)` (prompt log-probs: one forward pass, no cache), run by the calling
-        thread with no weight update in between (it holds their lock); and the weight version it used."""
+    def version_of(self, s: Sequence) -> str:
+        """The weight version a sample is generated with: its adapter's, or the base weights'."""
+        if s.adapter is not None and s.adapter in self.runner.adapters:
+            return self.runner.adapters.version(s.adapter)
+        return self.weight_version
+
+    def score(self, rows: list[tuple[list[int], int]], top_n: int, g=None, adapter: str | None = None):
+        """`runner.score(rows, top_n, g, adapter)` (prompt log-probs: one forward pass, no cache), run by
+        the calling thread with no weight update in between (it holds their lock); and the weight version
+        it used."""
         with self._update_lock:
-            return self.runner.score(rows, top_n, g), self.weight_version
+            if adapter is not None and adapter not in self.runner.adapters:
+                raise UnknownAdapter(adapter)
+            version = self.runner.adapters.version(adapter) if adapter is not None else self.weight_version
+            return self.runner.score(rows, top_n, g, adapter), version
 
     @property
     def updates_waiting(self) -> int:
@@ -145,14 +164,12 @@ class Scheduler:
         pass), for the running samples, or loading. No batch starts while there is one."""
         return self._updating
 
-    def update_weights(
-        self, path: str, version: str | None, abort: bool, root: str | None = None
-    ) -> tuple[bool, str]:
-        """Load the weights in folder `path` once the running samples are done (or aborted, with `abort`):
-        (True, what changed), or (False, why) when they cannot be loaded (the weights untouched). With
-        `root`, the runner opens the folder once, here under the update lock, and loads it only if it lies
-        below `root` and neither it nor its files are symbolic links: WeightsRefused otherwise (a policy
-        refusal, raised for the server to answer 403; only a confined load can be refused)."""
+    def change_adapter(self, change: Callable[[], T]) -> T:
+        """Run `change()` (load, replace or unload a served adapter) once the running samples are done, with
+        no batch starting meanwhile; what it returns. Its errors are raised."""
+        return self._exclusive(change, abort=False)
+
+    def _exclusive(self, change: Callable[[], T], abort: bool) -> T:
         with self._cv:
             self._updating += 1
         try:
@@ -162,18 +179,35 @@ class Scheduler:
                 with self._cv:
                     while self._running:
                         self._cv.wait()
-                try:
-                    self.runner.load_weights(path, root=root)
-                except WeightsRefused:
-                    raise
-                except Exception as e:
-                    return False, f"Failed to update weights: {e}"
-                if version is not None:  # before any batch can start with the new weights
-                    self.weight_version = version
+                return change()
         finally:
             with self._cv:
                 self._updating -= 1
                 self._cv.notify_all()
+
+    def update_weights(
+        self, path: str, version: str | None, abort: bool, root: str | None = None
+    ) -> tuple[bool, str]:
+        """Load the weights in folder `path` once the running samples are done (or aborted, with `abort`):
+        (True, what changed), or (False, why) when they cannot be loaded (the weights untouched). With
+        `root`, the runner opens the folder once, here under the update lock, and loads it only if it lies
+        below `root` and neither it nor its files are symbolic links: WeightsRefused otherwise (a policy
+        refusal, raised for the server to answer 403; only a confined load can be refused)."""
+
+        def load() -> str:
+            try:
+                self.runner.load_weights(path, root=root)
+            except WeightsRefused:
+                raise
+            except Exception as e:
+                return f"Failed to update weights: {e}"
+            if version is not None:  # before any batch can start with the new weights
+                self.weight_version = version
+            return ""
+
+        failed = self._exclusive(load, abort)
+        if failed:
+            return False, failed
         message = "Succeeded to update model weights."
         if version is not None:
             message += f" Weight version updated to {version}."
@@ -259,7 +293,10 @@ class Scheduler:
             for row in batch.drop(lambda row: row.seq.cancelled):  # aborted one by one (Scheduler.abort)
                 self.stats["aborted"] += 1
                 row.seq.complete(
-                    finish_abort("Aborted: the client went away"), row.ids, row.logprobs, self.weight_version
+                    finish_abort("Aborted: the client went away"),
+                    row.ids,
+                    row.logprobs,
+                    self.version_of(row.seq),
                 )
             with self._cv:
                 if not len(batch):  # idle: a waiting weight update may go ahead
@@ -286,7 +323,7 @@ class Scheduler:
 
     def _abort_rows(self, batch: RunningBatch, message: str) -> None:
         for row in batch.clear():
-            row.seq.complete(finish_abort(message), row.ids, row.logprobs, self.weight_version)
+            row.seq.complete(finish_abort(message), row.ids, row.logprobs, self.version_of(row.seq))
 
     def _step(self, batch: RunningBatch, new: list[Sequence]) -> None:
         """Add `new` to the batch (one prefill), sample every row's next token, finish what is done, and
@@ -297,9 +334,11 @@ class Scheduler:
         for s in new:
             if s.cancelled:  # aborted between the queue and the batch
                 self.stats["aborted"] += 1
-                s.complete(finish_abort("Aborted: the client went away"), version=self.weight_version)
+                s.complete(finish_abort("Aborted: the client went away"), version=self.version_of(s))
+            elif s.adapter is not None and s.adapter not in self.runner.adapters:
+                s.fail(str(UnknownAdapter(s.adapter)))  # unloaded while it waited
             elif s.max_new_tokens == 0:
-                s.complete(finish_length(s.sampling.max_new_tokens), version=self.weight_version)
+                s.complete(finish_length(s.sampling.max_new_tokens), version=self.version_of(s))
             elif s.sampling.stop and self.runner.tokenizer is None:
                 s.fail(f"{self.runner.model_path} has no tokenizer: stop texts need one (use stop_token_ids)")
             else:
@@ -320,7 +359,7 @@ class Scheduler:
         for row, finish in finished:
             self.stats["samples"] += 1
             self.stats["tokens"] += len(row.ids)
-            row.seq.complete(finish, row.ids, row.logprobs, self.weight_version)
+            row.seq.complete(finish, row.ids, row.logprobs, self.version_of(row.seq))
         if len(batch):
             batch.forward()
             self.stats["steps"] += 1
@@ -337,12 +376,15 @@ class Scheduler:
             self.stats["forwards"] += 1
             return aborted()
 
-        version = self.weight_version
-        groups: dict[Sampling, list[Sequence]] = {}
+        groups: dict[tuple[Sampling, str | None], list[Sequence]] = {}
         for s in batch:
-            groups.setdefault(s.sampling.batch_key(), []).append(s)
+            if s.adapter is not None and s.adapter not in self.runner.adapters:
+                s.fail(str(UnknownAdapter(s.adapter)))  # unloaded while it waited
+                continue
+            groups.setdefault((s.sampling.batch_key(), s.adapter), []).append(s)
         self.stats["batches"] += 1
-        for key, seqs in groups.items():
+        for (key, adapter), seqs in groups.items():
+            version = self.version_of(seqs[0])
             for s in [s for s in seqs if s.max_new_tokens == 0]:
                 s.complete(finish_length(s.sampling.max_new_tokens), version=version)
             todo = [s for s in seqs if s.max_new_tokens > 0]
@@ -351,7 +393,7 @@ class Scheduler:
                 self.stats["max_running"] = max(self.stats["max_running"], len(todo))
                 self.stats["forwards"] += 1  # the prefill
                 try:
-                    rows = self.runner.generate([s.prompt for s in todo], key, max_new, step)
+                    rows = self.runner.generate([s.prompt for s in todo], key, max_new, step, adapter)
                 except Exception as e:  # these params fail: their samples only, the other groups go on
                     logger.warning("sampling failed for %d samples: %s: %s", len(todo), type(e).__name__, e)
                     for s in todo:

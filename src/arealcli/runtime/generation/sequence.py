@@ -29,6 +29,7 @@ class Sequence:
     top_n: int = 0  # also record the top_n most likely tokens at every generated position (in `top`)
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # (token, log-prob), best first
     cancelled: bool = False  # set by Scheduler.abort: the sample ends at the next step
+    adapter: str | None = None  # the served LoRA adapter it is generated with (None: the base weights)
 
     @property
     def finished_as(self) -> dict[str, Any]:

@@ -73,7 +73,10 @@ class WeightSync:
             for names, export in ((adapters, self.export_adapters), (full, self.export)):
                 if not names:
                     continue
-                path, nbytes = export(src, version)
+                if export == self.export_adapters:  # the base only for servers that merge into it
+                    path, nbytes = export(src, version, any(not self._by_name(n) for n in names))
+                else:
+                    path, nbytes = export(src, version)
                 written += nbytes
                 for name in names:
                     follower = self.models[name]
@@ -102,13 +105,18 @@ class WeightSync:
             and hasattr(engine, "save_adapter_update")
         )
 
-    def export_adapters(self, src: str, version: int) -> tuple[Path, int]:
+    def _by_name(self, name: str) -> bool:
+        """Does follower `name` serve the adapter by name, over base weights its servers hold already?"""
+        return getattr(self.models[name].backend.args, "lora_name", None) is not None
+
+    def export_adapters(self, src: str, version: int, with_base: bool = True) -> tuple[Path, int]:
         """`weights/<src>/base/a<version>`: the adapters alone, applying to the base weights in
-        `weights/<src>/base`, written at the first update of this run (a resumed run writes it again)."""
+        `weights/<src>/base`, written (`with_base`: some follower merges into it) at the first update of
+        this run (a resumed run writes it again)."""
         base = self.run_dir / "weights" / src / "base"
         engine = self.models[src].module
         written = 0
-        if src not in self.base_written:
+        if with_base and src not in self.base_written:
             written += folder_bytes(self._atomic(base, engine.save_base, src, version))
             self.base_written.add(src)
         final = self._atomic(base / f"a{version}", engine.save_adapter_update, src, version)

@@ -10,6 +10,11 @@
     GET|POST /flush_cache            nothing is cached across requests: always succeeds
     POST /v1/completions, /v1/chat/completions, GET /v1/models   OpenAI-compatible (wire/openai.py;
                                      stream: true answers server-sent events, see `EventStream`)
+    POST /load_lora_adapter, /v1/load_lora_adapter       {lora_name, lora_path, weight_version?}
+    POST /unload_lora_adapter, /v1/unload_lora_adapter   {lora_name}
+
+LoRA adapters (`generation.adapters`) are served beside the base weights: a request picks one by name,
+OpenAI's `model` or SGLang's `lora_path`; rows of different adapters decode in one batch.
 
 One event-loop thread serves every connection (no thread per connection: on a busy CPU, handing requests
 between many threads costs more than generating) and does the per-request work: JSON, tokenizing,
@@ -55,9 +60,10 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
+from arealcli.runtime.generation.adapters import AdapterError
 from arealcli.runtime.generation.model_runner import ModelRunner, WeightsRefused
 from arealcli.runtime.generation.sampling import StopTexts
-from arealcli.runtime.generation.scheduler import Scheduler, Sequence
+from arealcli.runtime.generation.scheduler import Scheduler, Sequence, UnknownAdapter
 from arealcli.runtime.wire.auth import CHALLENGE_HEADER, PROOF_HEADER, key_of, proof
 from arealcli.runtime.wire.openai import (
     Choice,
@@ -155,7 +161,11 @@ class GenerationService:
         self._check_size(len(req.prompts), req.sampling[0].n)
         r = self.runner
         per_prompt: list[list[Sequence]] = []
-        for prompt, sampling, rid in zip(req.prompts, req.sampling, req.rids, strict=True):
+        adapters = req.adapters or [None] * len(req.prompts)
+        for a in {a for a in adapters if a is not None}:
+            if a not in r.adapters:
+                raise ProtocolError(str(UnknownAdapter(a)))
+        for prompt, sampling, rid, adapter in zip(req.prompts, req.sampling, req.rids, adapters, strict=True):
             self._check_ids(sampling, "sampling_params.stop_token_ids")
             ids = prompt if isinstance(prompt, list) else await self._encode(prompt, "text")
             if not ids:
@@ -173,7 +183,7 @@ class GenerationService:
                 raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
             max_new = min(sampling.max_new_tokens, r.context_length - len(ids))
             rids = [rid] if sampling.n == 1 else [f"{rid}-{j}" for j in range(sampling.n)]
-            per_prompt.append([Sequence(x, ids, sampling, max_new) for x in rids])
+            per_prompt.append([Sequence(x, ids, sampling, max_new, adapter=adapter) for x in rids])
         seqs = [s for group in per_prompt for s in group]
         errors = await self._run(seqs)
         if errors:
@@ -262,6 +272,10 @@ class GenerationService:
         """Every prompt's n choices, whole or streamed (`EventStream`); every sample runs as its own task
         (submitted together: they batch), continued on the new weights when a weight update aborts it."""
         r = self.runner
+        if req.model is not None and req.model in r.adapters:
+            req.adapter = req.model
+        elif req.model is not None and r.adapters.names() and req.model != self.served_model_name:
+            return 404, not_found(req.model, [self.served_model_name, *r.adapters.names()])
         self._check_size(len(req.prompts), req.sampling.n)
         self._check_ids(req.sampling, "stop_token_ids")
         if req.top_logprobs and r.tokenizer is None:
@@ -300,7 +314,7 @@ class GenerationService:
             )
             for k, s in enumerate(samples)
         ]
-        return 200, completion_response(req, choices, self.served_model_name, sum(len(p) for p in prompts))
+        return 200, completion_response(req, choices, self._model_name(req), sum(len(p) for p in prompts))
 
     async def _sample(self, s: _Sample, req: OpenAIRequest) -> None:
         """Generate one choice into `s` (its error in s.error); a sample aborted by a weight update is
@@ -309,7 +323,7 @@ class GenerationService:
             left = s.max_new - len(s.out)
             if left <= 0 or s.cancelled:
                 if not s.versions:
-                    s.versions.append(self.scheduler.weight_version)
+                    s.versions.append(self._version(req))
                 if left <= 0:
                     s.finish = "length" if s.finish == "abort" else s.finish
                 return
@@ -318,7 +332,14 @@ class GenerationService:
                 sampling = dataclasses.replace(
                     sampling, min_new_tokens=max(0, sampling.min_new_tokens - len(s.out))
                 )
-            seq = Sequence(f"oai-{id(s):x}", s.prompt + s.out, sampling, left, top_n=req.top_logprobs)
+            seq = Sequence(
+                f"oai-{id(s):x}",
+                s.prompt + s.out,
+                sampling,
+                left,
+                top_n=req.top_logprobs,
+                adapter=req.adapter,
+            )
             s.seq = seq
             errors = await self._run([seq])
             if errors:
@@ -332,6 +353,7 @@ class GenerationService:
                     [(seq.prompt + ids, len(seq.prompt))],
                     req.top_logprobs,
                     seq.sampling.hyperparameters(len(ids)),
+                    req.adapter,
                 )
                 tops = scored[1]
             s.out, s.lps, s.tops = s.out + ids, s.lps + seq.logprobs[: len(ids)], s.tops + tops
@@ -366,7 +388,7 @@ class GenerationService:
         if not (req.echo and req.logprobs):
             return None
         scored, _ = await asyncio.to_thread(
-            self.scheduler.score, [(ids, 1) for ids in prompts], req.top_logprobs
+            self.scheduler.score, [(ids, 1) for ids in prompts], req.top_logprobs, None, req.adapter
         )
         pieces = self._pieces(
             [t for ids in prompts for t in ids] + [t for _, tops in scored for top in tops for t, _ in top]
@@ -412,7 +434,7 @@ class GenerationService:
         """Write the choices as they are generated: each poll (every 20 ms, or when a sample ends) sends
         every choice's new tokens, and a choice's last chunk once it ends. A client gone aborts them."""
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created, model, n = int(time.time()), self.served_model_name, req.sampling.n
+        created, model, n = int(time.time()), self._model_name(req), req.sampling.n
         tasks = [asyncio.ensure_future(self._sample(s, req)) for s in samples]
         try:
             prompt_lps = await self._prompt_logprobs(req, prompts)
@@ -521,8 +543,58 @@ class GenerationService:
         template = getattr(tok, "chat_template", None) if tok is not None else None
         return await self._openai(await self._off_loop(parse_chat_request, body, self._render_chat, template))
 
+    def _model_name(self, req: OpenAIRequest) -> str:
+        return req.adapter if req.adapter is not None else self.served_model_name
+
+    def _version(self, req: OpenAIRequest) -> str:
+        if req.adapter is not None and req.adapter in self.runner.adapters:
+            return self.runner.adapters.version(req.adapter)
+        return self.scheduler.weight_version
+
     async def models(self, body: Any) -> tuple[int, Any]:
-        return 200, models_response(self.served_model_name)
+        return 200, models_response(self.served_model_name, self.runner.adapters.names())
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def load_lora_adapter(self, body: Any) -> tuple[int, Any]:
+        """Serve the adapter in folder `lora_path` as `lora_name` (SGLang's /load_lora_adapter, vLLM's
+        /v1/load_lora_adapter); a served name gets the new folder's adapter (a trainer's update), after the
+        running samples. `weight_version` (optional) is what its samples report."""
+        if not isinstance(body, dict) or not all(
+            isinstance(body.get(k), str) for k in ("lora_name", "lora_path")
+        ):
+            raise ProtocolError("lora_name and lora_path (strings) are required")
+        name, path = body["lora_name"], body["lora_path"]
+        if self.weights_dir is not None and not _below(path, self.weights_dir):
+            return 403, adapter_answer(
+                False, f"this server loads adapters only from below {self.weights_dir}"
+            )
+        version = body.get("weight_version")
+        version = "" if version is None else str(version)
+        try:
+            adapter = await asyncio.to_thread(  # waits for the running batch: off the event loop
+                self.scheduler.change_adapter,
+                lambda: self.runner.load_adapter(name, path, root=self.weights_dir, version=version),
+            )
+        except WeightsRefused as e:
+            return 403, adapter_answer(False, str(e))
+        except (AdapterError, OSError) as e:
+            return 400, adapter_answer(False, f"cannot load the adapter {name!r}: {e}")
+        message = f"Loaded the LoRA adapter {name!r} (rank {adapter.rank}, {len(adapter.layers)} layers)"
+        return 200, adapter_answer(True, message + (f", weight version {version}." if version else "."))
+
+    async def unload_lora_adapter(self, body: Any) -> tuple[int, Any]:
+        if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
+            raise ProtocolError("lora_name (a string) is required")
+        name = body["lora_name"]
+        if name not in self.runner.adapters:
+            return 404, adapter_answer(False, str(UnknownAdapter(name)))
+
+        def unload() -> str:
+            self.runner.adapters.remove(name)
+            return f"Unloaded the LoRA adapter {name!r}."
+
+        return 200, adapter_answer(True, await asyncio.to_thread(self.scheduler.change_adapter, unload))
 
     async def update_weights_from_disk(self, body: Any) -> tuple[int, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
@@ -702,7 +774,28 @@ ROUTES = [
     ("POST", "/v1/completions", "completions"),
     ("POST", "/v1/chat/completions", "chat_completions"),
     ("GET", "/v1/models", "models"),
+    ("POST", "/load_lora_adapter", "load_lora_adapter"),
+    ("POST", "/unload_lora_adapter", "unload_lora_adapter"),
+    ("POST", "/v1/load_lora_adapter", "load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter", "unload_lora_adapter"),
 ]
+
+
+def adapter_answer(success: bool, message: str) -> dict[str, Any]:
+    """SGLang's LoadLoRAAdapterReqOutput fields (`message` as well, like the weight update answers)."""
+    return {"success": success, "message": message, "error_message": "" if success else message}
+
+
+def not_found(model: str, served: list[str]) -> dict[str, Any]:
+    """vLLM's answer to a request for a model it does not serve (HTTP 404)."""
+    return {
+        "error": {
+            "message": f"The model `{model}` does not exist. This server serves: {', '.join(served)}.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
 
 
 def _respond(status: int, payload: Any, headers: dict[str, str] | None = None) -> web.Response:
@@ -799,7 +892,14 @@ def read_body(raw: bytes, parse) -> Any:
 
 
 # Endpoints that change what the server does for everyone: the admin key (when set) guards them.
-CONTROL = {"update_weights_from_disk", "abort_request", "slow_down", "flush_cache"}
+CONTROL = {
+    "update_weights_from_disk",
+    "abort_request",
+    "slow_down",
+    "flush_cache",
+    "load_lora_adapter",
+    "unload_lora_adapter",
+}
 OPEN = {"health"}  # answered without a key (liveness probes)
 MAX_NONCE = 256  # the longest challenge /health answers
 
@@ -1191,16 +1291,20 @@ def make_server(
     weights_dir: str | None = None,
     max_connections: int = 1024,
     max_requests: int = 1024,
+    adapters: list[tuple[str, str]] | None = None,
 ) -> GenerationServer:
-    """Bind the socket (port 0 = any free port), then load the model and start the batching loop. The port
-    is held from the start: no other process can take it while the model loads (connections made
-    meanwhile wait in the listen queue, and are answered once the server runs)."""
+    """Bind the socket (port 0 = any free port), then load the model (and the LoRA `adapters`, (name,
+    folder) each) and start the batching loop. The port is held from the start: no other process can take
+    it while the model loads (connections made meanwhile wait in the listen queue, and are answered once
+    the server runs)."""
     try:
         sock = socket.create_server((host, port), backlog=1024)
     except OSError as e:
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     try:
         runner = ModelRunner(model_path, device, dtype)
+        for name, folder in adapters or []:
+            runner.load_adapter(name, folder)
     except BaseException:
         sock.close()
         raise

@@ -33,13 +33,38 @@ class ServeFlags:
     weight_version: str
     num_threads: int
     log_requests: bool
+    lora: list[str]  # NAME=DIR, each a LoRA adapter served beside the base
+
+
+def adapters_of(f: ServeFlags) -> list[tuple[str, str]]:
+    """--lora NAME=DIR options as (name, folder); UserError on a malformed one, a name given twice or
+    the served model's, and a folder that is not a peft adapter."""
+    from arealcli.runtime.generation.adapters import NAME, adapter_files
+
+    out: list[tuple[str, str]] = []
+    for option in f.lora:
+        name, eq, folder = option.partition("=")
+        if not eq or not name or not folder:
+            raise UserError(f"--lora {option}: give NAME=DIR (an adapter folder served as model NAME)")
+        if not NAME.match(name):
+            raise UserError(f"--lora {option}: the name may use letters, digits and _ . : - (at most 100)")
+        if name in (n for n, _ in out):
+            raise UserError(f"--lora {option}: the name {name} is given twice")
+        missing = adapter_files(folder)
+        if missing:
+            raise UserError(
+                f"--lora {option}: {folder} is not a LoRA adapter folder (peft's format): no {', '.join(missing)}"
+            )
+        out.append((name, str(Path(folder).resolve())))
+    return out
 
 
 def refuse(f: ServeFlags) -> None:
-    """UserError (exit 2) on a folder that is not a model, an admin key alone, or a reachable address
-    without a key."""
+    """UserError (exit 2) on a folder that is not a model, an admin key alone, a reachable address
+    without a key, or a --lora option that cannot be served."""
     if not (f.model / "config.json").is_file():
         raise UserError(f"--model {f.model}: not a Hugging Face model directory (no config.json)")
+    adapters_of(f)
     if f.admin_key is not None and f.api_key is None:
         raise UserError("--admin-key needs --api-key (or AREAL_API_KEY): the other endpoints would be open")
     if f.api_key is None and not f.allow_unauthenticated and not is_loopback_host(f.host):
@@ -52,29 +77,34 @@ def refuse(f: ServeFlags) -> None:
 def server(f: ServeFlags):
     """The bound server, its model loaded (torch's thread count set first); OSError when it cannot
     listen. (The server's module, torch with it, is imported only here: a refusal comes at once.)"""
+    from arealcli.runtime.generation.adapters import AdapterError
     from arealcli.runtime.serve.http_server import Keys, make_server
 
     if f.num_threads:
         import torch
 
         torch.set_num_threads(f.num_threads)
-    return make_server(
-        str(f.model.resolve()),
-        host=f.host,
-        port=f.port,
-        device=f.device,
-        dtype=f.dtype,
-        batch_window_ms=f.batch_window_ms,
-        max_batch_size=f.max_batch_size,
-        weight_version=f.weight_version,
-        log_requests=f.log_requests,
-        max_n=f.max_n,
-        max_body_mb=f.max_body_mb,
-        keys=Keys(f.api_key, f.admin_key),
-        weights_dir=os.environ.get(WEIGHTS_DIR_ENV),  # set for the servers a run launches
-        max_connections=f.max_connections,
-        max_requests=f.max_requests,
-    )
+    try:
+        return make_server(
+            str(f.model.resolve()),
+            host=f.host,
+            port=f.port,
+            device=f.device,
+            dtype=f.dtype,
+            batch_window_ms=f.batch_window_ms,
+            max_batch_size=f.max_batch_size,
+            weight_version=f.weight_version,
+            log_requests=f.log_requests,
+            max_n=f.max_n,
+            max_body_mb=f.max_body_mb,
+            keys=Keys(f.api_key, f.admin_key),
+            weights_dir=os.environ.get(WEIGHTS_DIR_ENV),  # set for the servers a run launches
+            max_connections=f.max_connections,
+            max_requests=f.max_requests,
+            adapters=adapters_of(f),
+        )
+    except AdapterError as e:
+        raise UserError(f"--lora: {e}") from None
 
 
 def keys_line(api_key: str | None, admin_key: str | None) -> str:

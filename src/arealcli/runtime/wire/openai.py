@@ -132,6 +132,8 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt (and its log-probs) before the generated text
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
+    model: str | None = None  # `model`: a served LoRA adapter's name picks it (else the base model)
+    adapter: str | None = None  # the adapter `model` named, once the server resolved it
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -264,6 +266,13 @@ def _sampling(body: dict, max_tokens: int | None, stops: tuple[tuple[str, ...], 
     )
 
 
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError(f"model must be a string (got {shown(model)})")
+    return model
+
+
 def parse_completion_request(body: Any) -> OpenAIRequest:
     body = _check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
@@ -298,6 +307,7 @@ def parse_completion_request(body: Any) -> OpenAIRequest:
         *stops,
         top_logprobs=top,
         echo=_flag(body, "echo"),
+        model=_model(body),
         stream=stream,
         include_usage=usage,
     )
@@ -459,6 +469,7 @@ def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest
         top_logprobs=top,
         stream=stream,
         include_usage=usage,
+        model=_model(body),
     )
 
 
@@ -693,8 +704,13 @@ def chat_tool_calls(req: OpenAIRequest, c: Choice) -> tuple[str | None, list[dic
     return message["content"], message.get("tool_calls"), finish
 
 
-def models_response(model: str) -> dict[str, Any]:
+def models_response(model: str, adapters: tuple[str, ...] | list[str] = ()) -> dict[str, Any]:
+    """The served model, and each LoRA adapter served over it (`parent`: the base, as vLLM lists them)."""
     return {
         "object": "list",
-        "data": [{"id": model, "object": "model", "created": 0, "owned_by": "arealcli"}],
+        "data": [{"id": model, "object": "model", "created": 0, "owned_by": "arealcli"}]
+        + [
+            {"id": name, "object": "model", "created": 0, "owned_by": "arealcli", "parent": model}
+            for name in adapters
+        ],
     }

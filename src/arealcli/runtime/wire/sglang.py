@@ -21,7 +21,7 @@ import math
 import reprlib
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from arealcli.schema.components.engine import GenerationHyperparameters
@@ -56,7 +56,6 @@ _NEUTRAL_REQUEST: dict[str, tuple] = {
     "image_data": (None,),
     "video_data": (None,),
     "audio_data": (None,),
-    "lora_path": (None,),
     "logprob_start_len": (None, -1),
     "top_logprobs_num": (None, 0),
     "token_ids_logprob": (None,),
@@ -241,9 +240,20 @@ def sampling_params(g: GenerationHyperparameters, stop_token_ids: list[int], n: 
     return params
 
 
-def generate_payload(prompt: list[int], params: dict[str, Any], n: int) -> dict[str, Any]:
-    """The /generate body the client sends for `n` samples of one prompt."""
-    return {"input_ids": prompt, "sampling_params": {**params, "n": n}, "return_logprob": True}
+def generate_payload(
+    prompt: list[int], params: dict[str, Any], n: int, adapter: str | None = None
+) -> dict[str, Any]:
+    """The /generate body the client sends for `n` samples of one prompt (with a served LoRA adapter's
+    name: generated with that adapter)."""
+    body = {"input_ids": prompt, "sampling_params": {**params, "n": n}, "return_logprob": True}
+    if adapter is not None:
+        body["lora_path"] = adapter
+    return body
+
+
+def load_adapter_payload(name: str, path: str, version: int) -> dict[str, Any]:
+    """The /load_lora_adapter body (SGLang's LoadLoRAAdapterReqInput, and the weight version)."""
+    return {"lora_name": name, "lora_path": path, "weight_version": str(version)}
 
 
 def update_weights_payload(path: str, version: int, abort: bool) -> dict[str, Any]:
@@ -269,6 +279,9 @@ class GenerateRequest:
     rids: list[str]
     is_batch: bool
     return_text_in_logprobs: bool = False
+    adapters: list[str | None] = field(
+        default_factory=list
+    )  # `lora_path`: a served adapter's name, per prompt
 
 
 def _per_prompt(value: Any, size: int, is_batch: bool, name: str) -> list[Any]:
@@ -319,8 +332,11 @@ def parse_generate(body: Any) -> GenerateRequest:
         rids = [f"{rid}_{i}" for i in range(size)] if is_batch else [rid]
     else:
         rids = [str(r) for r in _per_prompt(rid, size, is_batch, "rid")]
+    adapters = _per_prompt(body.get("lora_path"), size, is_batch, "lora_path")
+    if not all(a is None or isinstance(a, str) for a in adapters):
+        raise ProtocolError("lora_path must be a served adapter's name (or a list of names, one per prompt)")
     return GenerateRequest(
-        prompts, sampling, logprob, rids, is_batch, bool(body.get("return_text_in_logprobs"))
+        prompts, sampling, logprob, rids, is_batch, bool(body.get("return_text_in_logprobs")), adapters
     )
 
 

@@ -6,7 +6,7 @@ from typing import ClassVar, Literal, TypedDict, TypeVar
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
-from arealcli.schema.base import StrictModel
+from arealcli.schema.base import NAME_PATTERN, StrictModel
 from arealcli.schema.components.engine import LoraConfig, OptimizerConfig
 
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -373,9 +373,23 @@ class SGLangBackendArgs(ServerFleetArgs):
         "adapters alone (the servers merge them into their copy of the base), or the merged weights every "
         "time. Other servers always get merged weights.",
     )
+    lora_name: str | None = Field(
+        None,
+        description="Following a LoRA model on servers given by `addresses`: serve its adapter there under "
+        "this name, beside the base weights they hold and the adapters of other runs or policies; every "
+        "update loads the new adapter by name (/load_lora_adapter, adapters only) and every request asks "
+        "for it. The servers must hold the LoRA model's base (`areal serve --model BASE`).",
+    )
 
     @model_validator(mode="after")
     def _one_mode(self) -> SGLangBackendArgs:
+        if self.lora_name is not None and self.launch is not None:
+            raise ValueError(
+                "lora_name serves an adapter on servers given by `addresses` (which other runs may share); "
+                "launched servers follow a LoRA model by adapters alone already (lora_updates: adapters)"
+            )
+        if self.lora_name is not None and not NAME_PATTERN.match(self.lora_name):
+            raise ValueError(f"lora_name {self.lora_name!r}: use letters, digits and _ . - (at most 100)")
         if bool(self.addresses) == (self.launch is not None):
             raise ValueError(
                 "give either `addresses` (servers already running) or `launch: sglang|embedded` "
