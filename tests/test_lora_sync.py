@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from arealcli.runtime.generation.model_runner import ModelRunner
 from arealcli.runtime.models.lora import (
     apply_adapter_update,
+    lora_scale,
     save_adapter_update,
     save_base,
     split_lora_state,
@@ -42,7 +43,10 @@ def test_an_adapter_update_merges_as_peft_does(char_tok, tmp_path):
     save_base(module, str(base_dir))
     save_adapter_update(module, str(base_dir / "a1"))
     base = load_file(str(base_dir / "model.safetensors"))
-    merged = apply_adapter_update(base, load_file(str(base_dir / "a1" / "adapter_model.safetensors")))
+    update = load_file(str(base_dir / "a1" / "adapter_model.safetensors"))
+    merged = apply_adapter_update(
+        base, update, lora_scale(json.loads((base_dir / "a1" / "adapter_config.json").read_text()))
+    )
     reference = copy.deepcopy(module).merge_and_unload().state_dict()
     assert merged and all(torch.equal(v, reference[k]) for k, v in merged.items())
     untouched, _ = split_lora_state(module.state_dict())

@@ -276,7 +276,7 @@ def test_two_runs_train_their_own_adapters_on_one_server(ws, model_dir, tmp_path
     import yaml
     from safetensors.torch import load_file
 
-    from arealcli.runtime.models.lora import apply_adapter_update
+    from arealcli.runtime.models.lora import apply_adapter_update, lora_scale
 
     ws.text("train.jsonl", "".join(json.dumps(r) + "\n" for r in ROWS))
     args = SGLangBackendArgs(
@@ -304,9 +304,9 @@ def test_two_runs_train_their_own_adapters_on_one_server(ws, model_dir, tmp_path
             weights = tmp_path / name / "weights" / "actor" / "base"
             updates = sorted(weights.glob("a*"), key=lambda p: int(p.name[1:]))
             assert updates and not (weights / "model.safetensors").exists()  # adapters only
-            merged_state = apply_adapter_update(
-                base, load_file(str(updates[-1] / "adapter_model.safetensors"))
-            )
+            scale = lora_scale(json.loads((updates[-1] / "adapter_config.json").read_text()))
+            update = load_file(str(updates[-1] / "adapter_model.safetensors"))
+            merged_state = apply_adapter_update(base, update, scale)
             module = tiny_module_like(model_dir, {**base, **merged_state})
             body = {"model": name, "prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0, "logprobs": 0}
             got = httpx.post(url(server, "/v1/completions"), json=body, trust_env=False, timeout=60).json()

@@ -10,13 +10,12 @@ Rows of different adapters (and of the base) decode in one batch; rows are the f
 every linear layer's input in the decoder's passes.
 
 An adapter is a folder in peft's format (`adapter_config.json` + `adapter_model.safetensors`, as
-`PeftModel.save_pretrained` and `areal export --adapter` write it) or an adapter-only weight update of
-a LoRA run (the same files with the scale stored beside the tensors).
+`PeftModel.save_pretrained`, `areal export --adapter` and a LoRA run's adapter-only weight updates
+write it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator
@@ -25,9 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from arealcli.runtime.models.lora import ADAPTER_FILE, SCALE_KEY
+from arealcli.runtime.models.lora import ADAPTER_CONFIG, ADAPTER_FILE, lora_scale
 
-CONFIG_FILE = "adapter_config.json"
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,99}$")
 _PREFIX = "base_model.model."
 
@@ -46,19 +44,11 @@ class Adapter:
     version: str = ""
 
 
-def read_adapter(path: str, state: dict[str, torch.Tensor]) -> tuple[dict[str, tuple], float, int]:
-    """(module name -> (A, B), scale, rank) of the adapter whose tensors are `state`, read from folder
-    `path` (its adapter_config.json gives the scale, unless the tensors carry it)."""
-    config_file = os.path.join(path, CONFIG_FILE)
-    try:
-        with open(config_file) as f:
-            config = json.load(f)
-    except FileNotFoundError:
-        raise AdapterError(
-            f"{path} has no {CONFIG_FILE}: not a LoRA adapter folder (peft's format)"
-        ) from None
-    except (OSError, ValueError) as e:
-        raise AdapterError(f"cannot read {config_file}: {e}") from None
+def read_adapter(
+    path: str, config: dict, state: dict[str, torch.Tensor]
+) -> tuple[dict[str, tuple], float, int]:
+    """(module name -> (A, B), scale, rank) of the adapter in folder `path`: its adapter_config.json
+    (`config`) and its tensors (`state`)."""
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{path} holds a {config.get('peft_type')} adapter; only LoRA adapters are served")
     unsupported = [
@@ -68,11 +58,6 @@ def read_adapter(path: str, state: dict[str, torch.Tensor]) -> tuple[dict[str, t
     ]
     if unsupported:
         raise AdapterError(f"{path}: {', '.join(unsupported)} is not supported (plain LoRA layers only)")
-    rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
-    if SCALE_KEY in state:
-        scale = float(state[SCALE_KEY])
-    else:
-        scale = alpha / (rank**0.5 if config.get("use_rslora") else rank)
     layers: dict[str, tuple] = {}
     for key, a in state.items():
         if not key.endswith(".lora_A.weight"):
@@ -84,7 +69,7 @@ def read_adapter(path: str, state: dict[str, torch.Tensor]) -> tuple[dict[str, t
         layers[stem.removeprefix(_PREFIX)] = (a, b)
     if not layers:
         raise AdapterError(f"{path} holds no LoRA tensors (*.lora_A.weight / *.lora_B.weight)")
-    return layers, scale, rank
+    return layers, lora_scale(config), int(config.get("r", 8))
 
 
 class ServedAdapters:
@@ -107,14 +92,17 @@ class ServedAdapters:
     def version(self, name: str) -> str:
         return self.adapters[name].version
 
-    def add(self, name: str, path: str, state: dict[str, torch.Tensor], version: str = "") -> Adapter:
-        """Serve the adapter with tensors `state` (read from folder `path`) as `name`, replacing one of that
-        name; checked against the module first (nothing changes when it does not fit)."""
+    def add(
+        self, name: str, path: str, state: dict[str, torch.Tensor], config: dict, version: str = ""
+    ) -> Adapter:
+        """Serve the adapter with tensors `state` and adapter_config.json `config` (read from folder `path`)
+        as `name`, replacing one of that name; checked against the module first (nothing changes when it
+        does not fit)."""
         if not NAME.match(name):
             raise AdapterError(
                 f"adapter name {name!r}: use letters, digits and _ . : - (at most 100 characters)"
             )
-        layers, scale, rank = read_adapter(path, state)
+        layers, scale, rank = read_adapter(path, config, state)
         param = next(self.module.parameters())
         placed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for stem, (a, b) in layers.items():
@@ -194,4 +182,4 @@ class ServedAdapters:
 
 def adapter_files(path: str) -> list[str]:
     """The files an adapter folder needs, missing ones (for a clear refusal before loading)."""
-    return [f for f in (CONFIG_FILE, ADAPTER_FILE) if not os.path.isfile(os.path.join(path, f))]
+    return [f for f in (ADAPTER_CONFIG, ADAPTER_FILE) if not os.path.isfile(os.path.join(path, f))]

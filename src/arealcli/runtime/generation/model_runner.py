@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 from collections.abc import Callable
@@ -13,8 +14,8 @@ import torch
 
 from arealcli.runtime.generation import decoder as lean_decoder
 from arealcli.runtime.generation import sampling as generation
-from arealcli.runtime.generation.adapters import Adapter, ServedAdapters
-from arealcli.runtime.models.lora import apply_adapter_update, is_adapter_update
+from arealcli.runtime.generation.adapters import ADAPTER_CONFIG, Adapter, AdapterError, ServedAdapters
+from arealcli.runtime.models.lora import apply_adapter_update, lora_scale
 from arealcli.runtime.models.model import DTYPES
 from arealcli.runtime.models.value_head import is_classifier_dir
 from arealcli.runtime.models.weights import load_state
@@ -228,14 +229,14 @@ class ModelRunner:
 
     def load_weights(self, path: str, root: str | None = None) -> None:
         """Load an HF export in place; every tensor is read and checked first, so a bad directory leaves
-        the weights untouched. With `root` (a server confined to one folder), see `read_weights`.
+        the weights untouched. With `root` (a server confined to one folder), see `read_folder`.
 
-        A folder holding an adapter-only update (models/lora.py) applies to the base weights in the folder
+        A folder holding a LoRA adapter (peft's format: a LoRA run's adapter-only update) applies to the base weights in the folder
         above it: that base is read once (and again when an update names another), kept, and each update
         loads W + (B A) * scale into the adapted layers; the base itself is never rebuilt or re-read."""
-        state = read_weights(path, root)
-        if is_adapter_update(state):
-            self._apply_adapters(path, state, root)
+        state, adapter = read_folder(path, root)
+        if adapter is not None:
+            self._apply_adapters(path, state, lora_scale(adapter), root)
             return
         self._check_fits(path, state)
         load_state(self.module, state, f"weights {path}")
@@ -246,16 +247,23 @@ class ModelRunner:
         """Serve the LoRA adapter in folder `path` (peft's format, or a LoRA run's adapter-only update) as
         `name`, beside the base and the other adapters; a new folder under a served name replaces it. Read
         like weights (`read_weights`: confined below `root` when given) and checked before it is served."""
-        return self.adapters.add(name, path, read_weights(path, root), version)
+        state, config = read_folder(path, root)
+        if config is None:
+            raise AdapterError(f"{path} has no {ADAPTER_CONFIG}: not a LoRA adapter folder (peft's format)")
+        return self.adapters.add(name, path, state, config, version)
 
-    def _apply_adapters(self, path: str, update: dict[str, torch.Tensor], root: str | None) -> None:
+    def _apply_adapters(
+        self, path: str, update: dict[str, torch.Tensor], scale: float, root: str | None
+    ) -> None:
         base_dir = os.path.dirname(os.path.normpath(path))
         fresh = self._lora_base is None or self._lora_base[0] != base_dir
         base = (base_dir, read_weights(base_dir, root)) if fresh else self._lora_base
         assert base is not None
         if fresh:
             self._check_fits(base_dir, base[1])
-        merged = apply_adapter_update(base[1], update)  # checked against the base before anything loads
+        merged = apply_adapter_update(
+            base[1], update, scale
+        )  # checked against the base before anything loads
         own = self.module.state_dict()
         wrong = [k for k, v in merged.items() if k not in own or tuple(own[k].shape) != tuple(v.shape)]
         if wrong:
@@ -286,7 +294,13 @@ class WeightsRefused(PermissionError):
 
 
 def read_weights(path: str, root: str | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the `*.safetensors` files of folder `path`.
+    """Every tensor of the `*.safetensors` files of folder `path` (see `read_folder`)."""
+    return read_folder(path, root)[0]
+
+
+def read_folder(path: str, root: str | None = None) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Every tensor of the `*.safetensors` files of folder `path`, and its adapter_config.json when it
+    holds one (a LoRA adapter in peft's format), else None.
 
     The folder is opened once, and its files are opened through that open folder (never by path again),
     so what is checked is what is read. With `root`: neither the folder nor a file in it may be a symbolic
@@ -323,17 +337,15 @@ def read_weights(path: str, root: str | None = None) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
         for name in names:
             state.update(_read_file(folder, name, path, nofollow))
-        return state
+        return state, _read_config(folder, path, nofollow)
     finally:
         os.close(folder)
 
 
-def _read_file(folder: int, name: str, path: str, nofollow: int) -> dict[str, torch.Tensor]:
-    """The tensors of file `name` of the open folder `folder`, read through one open file. Opened without
-    blocking (O_NONBLOCK: no effect on a regular file), so that a FIFO named like weights is refused at
-    once rather than holding the update lock forever waiting for a writer."""
-    from safetensors.torch import load, load_file
-
+def _open_in(folder: int, name: str, path: str, nofollow: int) -> int:
+    """File `name` of the open folder `folder`, opened for reading without blocking (O_NONBLOCK: no effect
+    on a regular file, so that a FIFO named like weights is refused at once rather than holding the update
+    lock forever waiting for a writer), and checked to be a regular file."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | nofollow, dir_fd=folder)
     except OSError as e:
@@ -341,10 +353,38 @@ def _read_file(folder: int, name: str, path: str, nofollow: int) -> dict[str, to
             raise WeightsRefused(
                 f"{path}/{name} is a symbolic link: this server loads no weights through links"
             ) from None
+        if e.errno == errno.ENOENT:
+            raise
         raise OSError(f"cannot open {path}/{name}: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path}/{name} is not a regular file")
+    return fd
+
+
+def _read_config(folder: int, path: str, nofollow: int) -> dict | None:
+    """The folder's adapter_config.json (a LoRA adapter), or None when it has none."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}/{name} is not a regular file")
+        fd = _open_in(folder, ADAPTER_CONFIG, path, nofollow)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(1 << 20)
+    try:
+        config = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"{path}/{ADAPTER_CONFIG} is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}/{ADAPTER_CONFIG} is not a JSON object")
+    return config
+
+
+def _read_file(folder: int, name: str, path: str, nofollow: int) -> dict[str, torch.Tensor]:
+    """The tensors of file `name` of the open folder `folder`, read through one open file."""
+    from safetensors.torch import load, load_file
+
+    fd = _open_in(folder, name, path, nofollow)
+    try:
         opened = f"/proc/self/fd/{fd}"  # this very file (mapped, not copied), whatever its name is now
         if os.path.exists(opened):
             return load_file(opened)

@@ -18,10 +18,8 @@ from arealcli.errors import UserError
 
 ADAPTER_DIR = "adapter"
 ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
 _PREFIX = "base_model.model."  # peft's prefix before the base model's own parameter names
-# An adapter-only weight update (to a generation server that keeps the base): peft's adapter tensors and
-# this scalar, in a folder inside the folder of the base weights it applies to.
-SCALE_KEY = "areal.lora_scale"
 
 
 def with_lora(module, cfg, seed: int):
@@ -59,8 +57,13 @@ def is_lora(module) -> bool:
 
 
 def scaling(peft_module, adapter: str = "default") -> float:
-    cfg = peft_module.peft_config[adapter]
-    return cfg.lora_alpha / (cfg.r**0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
+    return lora_scale(peft_module.peft_config[adapter].to_dict())
+
+
+def lora_scale(config: dict) -> float:
+    """An adapter's scale from its adapter_config.json: lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA)."""
+    r, alpha = config.get("r", 8), config.get("lora_alpha", 8)
+    return alpha / (r**0.5 if config.get("use_rslora") else r)
 
 
 def merged_state(
@@ -138,28 +141,24 @@ def save_base(peft_module, save_dir: str) -> None:
 
 
 def save_adapter_update(peft_module, save_dir: str, adapter: str = "default") -> None:
-    """An adapter-only update in `save_dir`: peft's adapter tensors with the scale (SCALE_KEY), and its
-    adapter_config.json. It applies to the base weights in the folder above it (`apply_adapter_update`)."""
+    """An adapter-only update in `save_dir`, in peft's format (adapter_config.json + the adapter tensors:
+    what vLLM, peft and `areal serve --lora` load). A server that merges it applies it to the base weights
+    in the folder above (`apply_adapter_update`)."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     os.makedirs(save_dir, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(peft_module).items()}
-    tensors[SCALE_KEY] = torch.tensor(scaling(peft_module, adapter), dtype=torch.float64)
     save_file(tensors, os.path.join(save_dir, ADAPTER_FILE))
     peft_module.peft_config[adapter].save_pretrained(save_dir)
 
 
-def is_adapter_update(state: dict[str, torch.Tensor]) -> bool:
-    return SCALE_KEY in state
-
-
 def apply_adapter_update(
-    base: dict[str, torch.Tensor], update: dict[str, torch.Tensor]
+    base: dict[str, torch.Tensor], update: dict[str, torch.Tensor], scale: float
 ) -> dict[str, torch.Tensor]:
-    """The adapted weights of an update, under the base model's names: W + (B A) * scale, the arithmetic
-    of peft's merge (so a server merging them holds what the trainer's merged export holds)."""
-    scale = float(update[SCALE_KEY])
+    """The adapted weights of an update (its tensors, and its `lora_scale`), under the base model's names:
+    W + (B A) * scale, the arithmetic of peft's merge (so a server merging them holds what the trainer's
+    merged export holds)."""
     out = {}
     for key, a in update.items():
         if not key.endswith(".lora_A.weight"):
