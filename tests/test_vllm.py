@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -455,6 +456,73 @@ def test_payload_uses_only_completion_request_fields():
 # --------------------------------------------------------------------------- asynchronous rollout
 
 
+def grpo_on_vllm(actor_args: dict, sft_warmup_steps: int, **actor: object) -> dict:
+    """A tiny GRPO recipe (exact-match reward) whose generation runs on a launched vLLM server."""
+    from tests.conftest import TINY_ARCH, sft_recipe
+
+    gen_args = {
+        "launch": True,
+        "python_executable": require_vllm(),
+        "dtype": "float32",
+        "max_model_len": 256,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 256 << 20,
+        "startup_timeout_s": 300,
+    }
+    recipe = sft_recipe()
+    recipe["models"] = {
+        "actor": {
+            "config": {**TINY_ARCH, **ARCH},
+            "backend": {"type_": "hf", "args": {"device": "cpu", **actor_args}},
+        },
+        "actor_gen": {
+            "init_from": "actor",
+            "weights_from": "actor",
+            "backend": {"type_": "vllm", "args": gen_args},
+        },
+    }
+    recipe["dataflow"] = {
+        "preset": "grpo",
+        "sft_warmup_steps": sft_warmup_steps,
+        "actor": {"generation": {"n": 2, "max_new_tokens": 4}, **actor},
+        "reward": {"reward_fn": "exact_match"},
+    }
+    return recipe
+
+
+@slow
+def test_a_lora_run_sends_vllm_its_adapters_alone(ws, char_tok):
+    """A LoRA GRPO run with its generation on a launched vLLM server: the server starts with vLLM's LoRA
+    support, every update is the adapters alone (peft's folder, reloaded in place under the model's name;
+    no full export, no base written), and the generator's log-probs are the trainer's at every RL step
+    (mismatch ~ float noise: the server samples with the current adapter)."""
+    import yaml
+
+    lora = {"rank": 4, "alpha": 8, "target_modules": "all-linear"}
+    recipe = grpo_on_vllm({"optimizer": {"lr": 5e-2}, "lora": lora}, sft_warmup_steps=2)
+    recipe["trainer"] = {"max_steps": 5, "log_every_n_steps": 1, "tensorboard": False}
+    path = ws.text("lora-vllm.yaml", yaml.safe_dump(recipe, sort_keys=False))
+    run = ws.root / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "arealcli.main", "train", str(path), "-o", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    log = next((run / "servers").glob("actor_gen-*.log")).read_text()
+    assert "Loaded new LoRA adapter" in log
+    weights = run / "weights" / "actor"
+    assert sorted(p.name for p in weights.iterdir()) == ["base"]  # no merged export
+    assert not (weights / "base" / "model.safetensors").exists()  # vLLM holds the base: not written
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rl = [row for row in rows if "actor_train/mismatch_abs_log_ratio" in row]
+    assert len(rl) == 3 and all(row["actor_train/mismatch_abs_log_ratio"] < TOL for row in rl), rl
+    synced = [row["weight_sync/actor_bytes"] for row in rows if "weight_sync/actor_bytes" in row]
+    full = sum(f.stat().st_size for f in (run / "weights" / "actor_gen" / "init").glob("*.safetensors"))
+    assert synced and max(synced) < full / 4, (synced, full)
+
+
 @slow
 def test_async_rollout_generates_on_vllm(ws, char_tok):
     """GRPO with `rollout: {max_staleness: 1}` and the generation model on a launched vLLM server: the
@@ -465,38 +533,8 @@ def test_async_rollout_generates_on_vllm(ws, char_tok):
     from arealcli.runtime.run.trainer import Trainer
     from arealcli.schema.source import load_recipe_source
     from arealcli.schema.validate import validate
-    from tests.conftest import TINY_ARCH, sft_recipe
 
-    python = require_vllm()
-    recipe = sft_recipe()
-    recipe["models"] = {
-        "actor": {
-            "config": {**TINY_ARCH, **ARCH},
-            "backend": {"type_": "hf", "args": {"device": "cpu", "optimizer": {"lr": 1e-2}}},
-        },
-        "actor_gen": {
-            "init_from": "actor",
-            "weights_from": "actor",
-            "backend": {
-                "type_": "vllm",
-                "args": {
-                    "launch": True,
-                    "python_executable": python,
-                    "dtype": "float32",
-                    "max_model_len": 256,
-                    "enforce_eager": True,
-                    "kv_cache_memory_bytes": 256 << 20,
-                    "startup_timeout_s": 300,
-                },
-            },
-        },
-    }
-    recipe["dataflow"] = {
-        "preset": "grpo",
-        "sft_warmup_steps": 1,
-        "actor": {"generation": {"n": 2, "max_new_tokens": 4}, "use_decoupled_loss": True},
-        "reward": {"reward_fn": "exact_match"},
-    }
+    recipe = grpo_on_vllm({"optimizer": {"lr": 1e-2}}, sft_warmup_steps=1, use_decoupled_loss=True)
     recipe["rollout"] = {"max_staleness": 1}
     recipe["trainer"] = {"max_steps": 5, "tensorboard": False, "samples_every_n_steps": 1}
     path = ws.text("async-vllm.yaml", yaml.safe_dump(recipe, sort_keys=False))

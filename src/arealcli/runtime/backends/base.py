@@ -34,6 +34,9 @@ class ModelBackend:
     # `applies_adapters` when it takes a LoRA source's adapters apart (sent alone after the first update).
     weights_in_memory: bool = False
     applies_adapters: bool = False
+    # As a follower: the LoRA config of the model it follows, when that model trains LoRA adapters (set by
+    # the trainer before `initialize`: a server that takes adapters alone is started for them)
+    source_lora: Any = None
 
     def __init__(self, args: Any):
         self.args = args
@@ -80,3 +83,9 @@ class ModelBackend:
         """Release resources (processes, servers, GPU memory); safe to call twice."""
         if isinstance(model.module, Engine):
             model.module.destroy()
+
+
+def source_lora(recipe: Any, name: str) -> Any:
+    """The LoRA config of the model `name` follows (`weights_from`), when that one trains adapters."""
+    source = recipe.models[name].weights_from
+    return getattr(recipe.models[source].backend.args, "lora", None) if source is not None else None

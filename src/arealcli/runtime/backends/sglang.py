@@ -73,6 +73,11 @@ class SGLangBackend(ModelBackend):
             return True
         return getattr(a, "launch", None) == "embedded" and getattr(a, "lora_updates", "merged") == "adapters"
 
+    @property
+    def merges_adapters(self) -> bool:
+        """Do its servers merge adapter updates into the base exported beside them (or serve them apart)?"""
+        return getattr(self.args, "lora_name", None) is None
+
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         a: SGLangBackendArgs = self.args
         try:

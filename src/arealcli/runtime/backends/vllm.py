@@ -43,6 +43,9 @@ class VLLMEngine(InferenceEngine):
 
     async def _update_weights(self, path: str, version: int) -> None:
         weights = Path(path).resolve()
+        if self.client.adapter is not None:  # a LoRA adapter (peft's format), reloaded in place by name
+            await self.client.reload_weights(str(weights), version)
+            return
         # vLLM's engine dies on a reload from a missing or empty directory: refuse before asking it
         if not weights.is_dir() or not any(weights.glob("*.safetensors")):
             raise FileNotFoundError(
@@ -56,7 +59,15 @@ class VLLMEngine(InferenceEngine):
         await self.client.reload_weights(str(weights), version, tied_embeddings=tied)
 
 
-def server_command(args: VLLMBackendArgs, python: str, model_path: str, port: int) -> list[str]:
+# vLLM's --max-lora-rank takes one of these (vllm/config/lora.py)
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def server_command(
+    args: VLLMBackendArgs, python: str, model_path: str, port: int, lora_rank: int | None = None
+) -> list[str]:
+    """The vLLM server's command line; with `lora_rank` (following a LoRA model by its adapters), LoRA
+    support for one adapter of up to that rank."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
     cmd += ["--host", args.host, "--port", str(port), "--dtype", args.dtype]
     cmd += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -71,11 +82,18 @@ def server_command(args: VLLMBackendArgs, python: str, model_path: str, port: in
         cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     if args.enforce_eager:
         cmd.append("--enforce-eager")
+    if lora_rank is not None:
+        fit = next((r for r in LORA_RANKS if r >= lora_rank), None)
+        if fit is None:
+            raise launcher.LaunchError(
+                f"vLLM serves LoRA adapters of rank <= {LORA_RANKS[-1]} (got {lora_rank})"
+            )
+        cmd += ["--enable-lora", "--max-lora-rank", str(fit), "--max-loras", "1"]
     cmd += ["--middleware", MIDDLEWARE]  # the key on every path (loaded from GUARD_DIR: server_env)
     return cmd + list(args.extra_args)
 
 
-def server_env(args: VLLMBackendArgs, index: int) -> dict[str, str]:
+def server_env(args: VLLMBackendArgs, index: int, lora: bool = False) -> dict[str, str]:
     """Dev endpoints on (weight updates); with several servers, server i gets GPUs i*tp ... (i+1)*tp-1
     of those visible (with `devices`, the launcher gives it its share instead). With `cpus`, vLLM's CPU
     workers bind their OpenMP threads to the server's share (one part per tensor-parallel rank) instead
@@ -86,6 +104,8 @@ def server_env(args: VLLMBackendArgs, index: int) -> dict[str, str]:
         "VLLM_SERVER_DEV_MODE": "1",
         "PYTHONPATH": str(GUARD_DIR) + (os.pathsep + inherited if inherited else ""),
     }
+    if lora:  # /v1/load_lora_adapter: the adapter updates
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     cpus = args.server_cpus(index)
     if cpus:
         tp = args.tensor_parallel_size
@@ -108,13 +128,23 @@ class VLLMBackend(SGLangBackend):
     """Generation on vLLM servers (OpenAI-compatible API): connect to `addresses` or `launch` them."""
 
     Args = VLLMBackendArgs
+    merges_adapters = False  # vLLM serves a LoRA adapter apart from the base
+
+    @property
+    def applies_adapter_updates(self) -> bool:
+        """Launched servers following a LoRA model take its adapters alone (vLLM's LoRA support)."""
+        a = self.args
+        return a.launch and a.lora_updates == "adapters" and self.source_lora is not None
 
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         a: VLLMBackendArgs = self.args
         try:
             addresses = self._launch(model, spec) if a.launch else list(a.addresses)
             key = self.api_key if a.launch else a.key()
-            self.client = VLLMClient(addresses, **a.client_options(), supervisor=self.supervisor, api_key=key)
+            adapter = model.name if self.applies_adapter_updates else None  # served under the model's name
+            self.client = VLLMClient(
+                addresses, **a.client_options(), supervisor=self.supervisor, api_key=key, adapter=adapter
+            )
             self.loop = EventLoopThread()
             self.loop.run(self.client.check_all())
             if a.launch:
@@ -135,6 +165,7 @@ class VLLMBackend(SGLangBackend):
         weights = (root / "weights" / model.name / "init").resolve()
         export_hf(model.initial_module(), model.tokenizer, weights)
         python = a.python_executable or os.environ.get(PYTHON_ENV) or "python"
+        rank = self.source_lora.rank if self.applies_adapter_updates else None
         atexit.register(self._stop_servers)  # also when the trainer never reaches destroy()
         self.api_key = fresh_key()
         self.servers = launcher.launch(
@@ -142,8 +173,8 @@ class VLLMBackend(SGLangBackend):
             str(weights),
             root / "servers",
             model.name,
-            command=lambda port, i: server_command(a, python, str(weights), port),
-            extra_env=lambda i: server_env(a, i),
+            command=lambda port, i: server_command(a, python, str(weights), port, rank),
+            extra_env=lambda i: server_env(a, i, lora=rank is not None),
             secrets={VLLM_API_KEY_ENV: self.api_key},  # vLLM's own variable: its /v1 routes want it
         )
         launcher.wait_ready(self.servers, a.startup_timeout_s)

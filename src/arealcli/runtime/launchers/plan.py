@@ -113,12 +113,15 @@ def server_tasks(recipe: Recipe, model: str, nodes: list[int], run_dir: Path) ->
         mine = args.model_copy(update={"host": HOST, "num_servers": here, "cpus": None, "devices": None})
         port = args.base_port + local if args.base_port is not None else None
         if isinstance(args, VLLMBackendArgs):
+            from arealcli.runtime.backends.base import source_lora
             from arealcli.runtime.backends.vllm import PYTHON_ENV, server_command, server_env
 
             python = args.python_executable or os.environ.get(PYTHON_ENV) or "python"
-            cmd = server_command(mine, python, weights, 0)
+            lora = source_lora(recipe, model) if args.lora_updates == "adapters" else None
+            rank = lora.rank if lora is not None else None
+            cmd = server_command(mine, python, weights, 0, rank)
             env, key_env, kind, gpus = (
-                server_env(mine, local),
+                server_env(mine, local, lora=rank is not None),
                 VLLM_API_KEY_ENV,
                 "vllm",
                 args.tensor_parallel_size,

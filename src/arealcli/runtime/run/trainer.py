@@ -26,6 +26,7 @@ import yaml
 
 from arealcli.errors import TrainingDiverged, UserError
 from arealcli.runtime import distributed
+from arealcli.runtime.backends.base import source_lora
 from arealcli.runtime.data.datasets import Batches
 from arealcli.runtime.data.tokenizer import load_tokenizer, vocabulary_mismatch
 from arealcli.runtime.engines.base import Engine
@@ -194,6 +195,7 @@ class Trainer:
             model.source = ModelSource(
                 specs[name], functools.partial(initial_module, r, self.recipe_dir, self.tokenizer, name)
             )
+            backends[name].source_lora = source_lora(r, name)
             self.models[name] = self._initialize(backends[name], model, spec, resume_from)
         self.notes += stateless_engines(self.models, self.trained)
         if r.dataset.batch_size % distributed.dp_world():  # known once the backends are set up

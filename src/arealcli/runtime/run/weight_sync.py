@@ -74,7 +74,7 @@ class WeightSync:
                 if not names:
                     continue
                 if export == self.export_adapters:  # the base only for servers that merge into it
-                    path, nbytes = export(src, version, any(not self._by_name(n) for n in names))
+                    path, nbytes = export(src, version, any(self._merges(n) for n in names))
                 else:
                     path, nbytes = export(src, version)
                 written += nbytes
@@ -105,9 +105,10 @@ class WeightSync:
             and hasattr(engine, "save_adapter_update")
         )
 
-    def _by_name(self, name: str) -> bool:
-        """Does follower `name` serve the adapter by name, over base weights its servers hold already?"""
-        return getattr(self.models[name].backend.args, "lora_name", None) is not None
+    def _merges(self, name: str) -> bool:
+        """Does follower `name` merge adapter updates into the base exported beside them (else it serves
+        them apart, over the base weights its servers hold already)?"""
+        return getattr(self.models[name].backend, "merges_adapters", True)
 
     def export_adapters(self, src: str, version: int, with_base: bool = True) -> tuple[Path, int]:
         """`weights/<src>/base/a<version>`: the adapters alone, applying to the base weights in

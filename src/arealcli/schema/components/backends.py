@@ -434,6 +434,12 @@ class VLLMBackendArgs(ServerFleetArgs):
         description="KV cache size in bytes (vLLM --kv-cache-memory-bytes); set it on CPU, where vLLM "
         "otherwise reserves most of the host memory.",
     )
+    lora_updates: Literal["adapters", "merged"] = Field(
+        "adapters",
+        description="Following a LoRA model on launched servers: start them with vLLM's LoRA support "
+        "(--enable-lora) and send the adapters alone, reloaded in place under the model's name (the base "
+        "stays), or the merged weights every time. Servers given by `addresses` always get merged weights.",
+    )
     enforce_eager: bool = Field(
         False, description="No CUDA graphs / torch.compile: faster start, slower decode (set true on CPU)."
     )
