@@ -517,6 +517,10 @@ def test_a_lora_run_sends_vllm_its_adapters_alone(ws, char_tok):
     assert not (weights / "base" / "model.safetensors").exists()  # vLLM holds the base: not written
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [row for row in rows if "actor_train/mismatch_abs_log_ratio" in row]
+    print(
+        "\ngenerator vs trainer |log ratio| per RL step:",
+        [row["actor_train/mismatch_abs_log_ratio"] for row in rl],
+    )
     assert len(rl) == 3 and all(row["actor_train/mismatch_abs_log_ratio"] < TOL for row in rl), rl
     synced = [row["weight_sync/actor_bytes"] for row in rows if "weight_sync/actor_bytes" in row]
     full = sum(f.stat().st_size for f in (run / "weights" / "actor_gen" / "init").glob("*.safetensors"))
