@@ -17,11 +17,13 @@ python with vllm: --vllm-python or env AREALCLI_VLLM_PYTHON, else it is skipped 
 `--lora R`, the trained model has LoRA adapters of rank R on every linear layer: `local` then receives
 the adapters alone in memory, `embedded` the adapters alone on disk (its server merges them into its copy
 of the base: `lora_updates: adapters`), `embedded-merged` the merged weights every time (`lora_updates:
-merged`, the row to compare with), vLLM the merged weights. `moved` is what one update sends.
+merged`, the row to compare with), `vllm` the adapters alone (vLLM's LoRA support, reloaded in place by
+name), `vllm-merged` the merged weights. `moved` is what one update sends.
 
     python bench/weight_sync.py                               # local, embedded, vllm; 3 updates each
     python bench/weight_sync.py --only local --lora 16
     python bench/weight_sync.py --lora 8 --only embedded embedded-merged   # adapter-only against merged
+    python bench/weight_sync.py --lora 8 --only vllm vllm-merged
     python bench/weight_sync.py --only embedded --untied --repeats 5
 
 Qwen2-0.5B ties its output layer to the embeddings; vLLM's CPU build cannot reload a tied output layer in
@@ -75,7 +77,9 @@ def build_source(module, lora: int | None, tokenizer):
     )
 
 
-def build_follower(kind: str, source_module, tokenizer, run_dir: Path, vllm_python: str | None):
+def build_follower(
+    kind: str, source_module, tokenizer, run_dir: Path, vllm_python: str | None, lora: int | None
+):
     import copy
 
     from arealcli.runtime.backends.local import LocalBackend
@@ -83,6 +87,7 @@ def build_follower(kind: str, source_module, tokenizer, run_dir: Path, vllm_pyth
     from arealcli.runtime.backends.vllm import VLLMBackend
     from arealcli.runtime.models.model import FinetuneSpec, Model
     from arealcli.schema.components.backends import LocalBackendArgs, SGLangBackendArgs, VLLMBackendArgs
+    from arealcli.schema.components.engine import LoraConfig
 
     spec = FinetuneSpec(1, 1, 1, 10, run_dir=str(run_dir))
     if kind == "local":
@@ -103,8 +108,12 @@ def build_follower(kind: str, source_module, tokenizer, run_dir: Path, vllm_pyth
         kv_cache_memory_bytes=256 << 20,
         startup_timeout_s=900,
         request_timeout_s=900,
+        lora_updates="merged" if kind == "vllm-merged" else "adapters",
     )
-    return VLLMBackend(args).initialize(Model("gen", source_module, tokenizer), spec)
+    backend = VLLMBackend(args)
+    if lora is not None:  # what the trainer tells a follower of a LoRA model
+        backend.source_lora = LoraConfig(rank=lora, alpha=2.0 * lora)
+    return backend.initialize(Model("gen", source_module, tokenizer), spec)
 
 
 def step(source) -> None:
@@ -130,13 +139,13 @@ def measure(kind: str, args, tokenizer) -> dict:
     from arealcli.runtime.run.weight_sync import WeightSync
     from arealcli.schema.components.engine import GenerationHyperparameters
 
-    tied = not args.untied and kind != "vllm"
+    tied = not args.untied and not kind.startswith("vllm")
     module = build_module(tied, tokenizer)
     params = sum(p.numel() for p in module.parameters())
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
         run_dir = Path(tmp)
         t0 = time.perf_counter()  # the follower starts from the weights as built, as with `init_from`
-        follower = build_follower(kind, module, tokenizer, run_dir, args.vllm_python)
+        follower = build_follower(kind, module, tokenizer, run_dir, args.vllm_python, args.lora)
         ready_s = time.perf_counter() - t0
         source = build_source(module, args.lora, tokenizer)
         recipe = SimpleNamespace(
@@ -146,10 +155,10 @@ def measure(kind: str, args, tokenizer) -> dict:
         exports: list[float] = []
 
         def timed(real):
-            def export(src: str, version: int) -> tuple[Path, int]:
+            def export(src: str, version: int, *more) -> tuple[Path, int]:
                 t = time.perf_counter()
                 try:
-                    return real(src, version)
+                    return real(src, version, *more)
                 finally:
                     exports.append(time.perf_counter() - t)
 
@@ -188,7 +197,7 @@ def measure(kind: str, args, tokenizer) -> dict:
         del follower, source, module
         gc.collect()
     med = [statistics.median(col) for col in zip(*rows, strict=True)]
-    dtype = "bf16 (served), fp32 export" if kind == "vllm" else "fp32"
+    dtype = "bf16 (served), fp32 export" if kind.startswith("vllm") else "fp32"
     moved = f"{statistics.median(sent) / 2**20:.1f} MiB {moved_by}" if sent else "?"
     return {
         "generator": kind + (f" (LoRA r={args.lora})" if args.lora else ""),
@@ -220,7 +229,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--only", nargs="+", choices=["local", "embedded", "embedded-merged", "vllm"], default=None
+        "--only",
+        nargs="+",
+        choices=["local", "embedded", "embedded-merged", "vllm", "vllm-merged"],
+        default=None,
     )
     parser.add_argument("--repeats", type=int, default=3, help="Timed updates per generator (median shown).")
     parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="LoRA adapters of this rank.")
@@ -237,9 +249,10 @@ def main() -> None:
     kinds = args.only or ["local", "embedded", "vllm"]
     if args.lora and args.only is None:
         kinds.insert(2, "embedded-merged")
+        kinds.append("vllm-merged")
     results, skipped = [], []
     for kind in kinds:
-        if kind == "vllm":
+        if kind.startswith("vllm"):
             args.vllm_python, why = vllm_python(args.vllm_python)
             if args.vllm_python is None:
                 skipped.append(f"vllm: skipped ({why})")
