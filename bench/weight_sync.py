@@ -155,10 +155,10 @@ def measure(kind: str, args, tokenizer) -> dict:
         exports: list[float] = []
 
         def timed(real):
-            def export(src: str, version: int, *more) -> tuple[Path, int]:
+            def export(src: str, version: int, **kw) -> tuple[Path, int]:
                 t = time.perf_counter()
                 try:
-                    return real(src, version, *more)
+                    return real(src, version, **kw)
                 finally:
                     exports.append(time.perf_counter() - t)
 

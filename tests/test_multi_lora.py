@@ -323,6 +323,12 @@ def test_two_runs_train_their_own_adapters_on_one_server(ws, model_dir, tmp_path
             full = (model_dir / "model.safetensors").stat().st_size
             assert sync_bytes and max(sync_bytes) < full / 2, (sync_bytes, full)
         assert answers["run-a"] != answers["run-b"]
+        body = {"prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0, "logprobs": 0}
+        got = httpx.post(url(server, "/v1/completions"), json=body, trust_env=False, timeout=60).json()
+        base_lps = got["choices"][0]["logprobs"]["token_logprobs"]
+        for name in ("run-a", "run-b"):  # trained adapters: not the base's answer
+            n = min(len(base_lps), len(answers[name]))
+            assert max(abs(x - y) for x, y in zip(base_lps[:n], answers[name][:n], strict=True)) > 1e-3, name
     finally:
         launcher.stop(servers)
 

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from arealcli.runtime.models.lora import ADAPTER_CONFIG, ADAPTER_FILE, lora_scale
+from arealcli.runtime.models.lora import ADAPTER_CONFIG, ADAPTER_FILE, lora_factors, lora_scale
 
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,99}$")
-_PREFIX = "base_model.model."
 
 
 class AdapterError(ValueError):
@@ -58,15 +57,10 @@ def read_adapter(
     ]
     if unsupported:
         raise AdapterError(f"{path}: {', '.join(unsupported)} is not supported (plain LoRA layers only)")
-    layers: dict[str, tuple] = {}
-    for key, a in state.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        stem = key.removesuffix(".lora_A.weight")
-        b = state.get(f"{stem}.lora_B.weight")
-        if b is None:
-            raise AdapterError(f"{path}: {stem} has lora_A but no lora_B")
-        layers[stem.removeprefix(_PREFIX)] = (a, b)
+    try:
+        layers = lora_factors(state)
+    except ValueError as e:
+        raise AdapterError(f"{path}: {e}") from None
     if not layers:
         raise AdapterError(f"{path} holds no LoRA tensors (*.lora_A.weight / *.lora_B.weight)")
     return layers, lora_scale(config), int(config.get("r", 8))
@@ -109,17 +103,8 @@ class ServedAdapters:
             layer = self.linears.get(stem)
             if layer is None:
                 raise AdapterError(f"{path}: the served model has no linear layer {stem}")
-            r = a.shape[0]
-            if (
-                a.dim() != 2
-                or b.dim() != 2
-                or b.shape[1] != r
-                or (b.shape[0], a.shape[1])
-                != (
-                    layer.out_features,
-                    layer.in_features,
-                )
-            ):
+            inner = a.dim() == b.dim() == 2 and b.shape[1] == a.shape[0]  # B A is (out, in)
+            if not inner or (b.shape[0], a.shape[1]) != tuple(layer.weight.shape):
                 raise AdapterError(
                     f"{path}: {stem} does not fit the served model (A {tuple(a.shape)}, B {tuple(b.shape)}; "
                     f"the layer is {layer.in_features} -> {layer.out_features})"
@@ -162,6 +147,9 @@ class ServedAdapters:
     @contextmanager
     def use(self, names: list[str | None]) -> Iterator[None]:
         """Within: row i of every forward pass answers with adapter names[i] (None: the base)."""
+        if not self.adapters:  # nothing served but the base (every decoding step passes here)
+            yield
+            return
         groups: dict[str, list[int]] = {}
         for i, name in enumerate(names):
             if name is not None:

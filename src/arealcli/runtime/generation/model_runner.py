@@ -231,9 +231,10 @@ class ModelRunner:
         """Load an HF export in place; every tensor is read and checked first, so a bad directory leaves
         the weights untouched. With `root` (a server confined to one folder), see `read_folder`.
 
-        A folder holding a LoRA adapter (peft's format: a LoRA run's adapter-only update) applies to the base weights in the folder
-        above it: that base is read once (and again when an update names another), kept, and each update
-        loads W + (B A) * scale into the adapted layers; the base itself is never rebuilt or re-read."""
+        A folder holding a LoRA adapter (peft's format: a LoRA run's adapter-only update) applies to the
+        base weights in the folder above it: that base is read once (and again when an update names
+        another), kept, and each update loads W + (B A) * scale into the adapted layers; the base itself
+        is never rebuilt or re-read."""
         state, adapter = read_folder(path, root)
         if adapter is not None:
             self._apply_adapters(path, state, lora_scale(adapter), root)
@@ -261,9 +262,8 @@ class ModelRunner:
         assert base is not None
         if fresh:
             self._check_fits(base_dir, base[1])
-        merged = apply_adapter_update(
-            base[1], update, scale
-        )  # checked against the base before anything loads
+        # checked against the base before anything loads
+        merged = apply_adapter_update(base[1], update, scale)
         own = self.module.state_dict()
         wrong = [k for k, v in merged.items() if k not in own or tuple(own[k].shape) != tuple(v.shape)]
         if wrong:

@@ -144,9 +144,20 @@ class Scheduler:
 
     def version_of(self, s: Sequence) -> str:
         """The weight version a sample is generated with: its adapter's, or the base weights'."""
-        if s.adapter is not None and s.adapter in self.runner.adapters:
-            return self.runner.adapters.version(s.adapter)
+        return self.version(s.adapter)
+
+    def version(self, adapter: str | None) -> str:
+        """The weight version of a served adapter, or (None, or an adapter no longer served) the base's."""
+        if adapter is not None and adapter in self.runner.adapters:
+            return self.runner.adapters.version(adapter)
         return self.weight_version
+
+    def _unserved(self, s: Sequence) -> bool:
+        """Fail `s` if its adapter was unloaded while it waited; True when it did."""
+        if s.adapter is None or s.adapter in self.runner.adapters:
+            return False
+        s.fail(str(UnknownAdapter(s.adapter)))
+        return True
 
     def score(self, rows: list[tuple[list[int], int]], top_n: int, g=None, adapter: str | None = None):
         """`runner.score(rows, top_n, g, adapter)` (prompt log-probs: one forward pass, no cache), run by
@@ -155,8 +166,7 @@ class Scheduler:
         with self._update_lock:
             if adapter is not None and adapter not in self.runner.adapters:
                 raise UnknownAdapter(adapter)
-            version = self.runner.adapters.version(adapter) if adapter is not None else self.weight_version
-            return self.runner.score(rows, top_n, g, adapter), version
+            return self.runner.score(rows, top_n, g, adapter), self.version(adapter)
 
     @property
     def updates_waiting(self) -> int:
@@ -335,8 +345,8 @@ class Scheduler:
             if s.cancelled:  # aborted between the queue and the batch
                 self.stats["aborted"] += 1
                 s.complete(finish_abort("Aborted: the client went away"), version=self.version_of(s))
-            elif s.adapter is not None and s.adapter not in self.runner.adapters:
-                s.fail(str(UnknownAdapter(s.adapter)))  # unloaded while it waited
+            elif self._unserved(s):
+                pass
             elif s.max_new_tokens == 0:
                 s.complete(finish_length(s.sampling.max_new_tokens), version=self.version_of(s))
             elif s.sampling.stop and self.runner.tokenizer is None:
@@ -378,10 +388,8 @@ class Scheduler:
 
         groups: dict[tuple[Sampling, str | None], list[Sequence]] = {}
         for s in batch:
-            if s.adapter is not None and s.adapter not in self.runner.adapters:
-                s.fail(str(UnknownAdapter(s.adapter)))  # unloaded while it waited
-                continue
-            groups.setdefault((s.sampling.batch_key(), s.adapter), []).append(s)
+            if not self._unserved(s):
+                groups.setdefault((s.sampling.batch_key(), s.adapter), []).append(s)
         self.stats["batches"] += 1
         for (key, adapter), seqs in groups.items():
             version = self.version_of(seqs[0])

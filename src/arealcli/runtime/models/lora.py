@@ -153,6 +153,21 @@ def save_adapter_update(peft_module, save_dir: str, adapter: str = "default") ->
     peft_module.peft_config[adapter].save_pretrained(save_dir)
 
 
+def lora_factors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """An adapter's tensors (peft's names) -> {adapted module's name in the base model: (A, B)}; a lora_A
+    without its lora_B is an error (ValueError)."""
+    out = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        stem = key.removesuffix(".lora_A.weight")
+        b = tensors.get(f"{stem}.lora_B.weight")
+        if b is None:
+            raise ValueError(f"{stem} has lora_A but no lora_B")
+        out[stem.removeprefix(_PREFIX)] = (a, b)
+    return out
+
+
 def apply_adapter_update(
     base: dict[str, torch.Tensor], update: dict[str, torch.Tensor], scale: float
 ) -> dict[str, torch.Tensor]:
@@ -160,13 +175,9 @@ def apply_adapter_update(
     W + (B A) * scale, the arithmetic of peft's merge (so a server merging them holds what the trainer's
     merged export holds)."""
     out = {}
-    for key, a in update.items():
-        if not key.endswith(".lora_A.weight"):
-            continue
-        stem = key.removeprefix(_PREFIX).removesuffix(".lora_A.weight")
-        b = update.get(f"{_PREFIX}{stem}.lora_B.weight")
+    for stem, (a, b) in lora_factors(update).items():
         w = base.get(f"{stem}.weight")
-        if b is None or w is None or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
+        if w is None or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
             raise ValueError(f"the adapter update does not fit the base weights at {stem}")
         out[f"{stem}.weight"] = w + ((b.float() @ a.float()) * scale).to(w.dtype)
     if not out:

@@ -70,13 +70,14 @@ class WeightSync:
             adapters = [n for n in on_disk if self._adapters_only(src, n)]
             full = [n for n in on_disk if n not in adapters]
             written = 0
-            for names, export in ((adapters, self.export_adapters), (full, self.export)):
+            # the base beside the adapters only for followers that merge them into it
+            adapters_export = functools.partial(
+                self.export_adapters, with_base=any(self._merges(n) for n in adapters)
+            )
+            for names, export in ((adapters, adapters_export), (full, self.export)):
                 if not names:
                     continue
-                if export == self.export_adapters:  # the base only for servers that merge into it
-                    path, nbytes = export(src, version, any(self._merges(n) for n in names))
-                else:
-                    path, nbytes = export(src, version)
+                path, nbytes = export(src, version)
                 written += nbytes
                 for name in names:
                     follower = self.models[name]

@@ -323,7 +323,7 @@ class GenerationService:
             left = s.max_new - len(s.out)
             if left <= 0 or s.cancelled:
                 if not s.versions:
-                    s.versions.append(self._version(req))
+                    s.versions.append(self.scheduler.version(req.adapter))
                 if left <= 0:
                     s.finish = "length" if s.finish == "abort" else s.finish
                 return
@@ -545,11 +545,6 @@ class GenerationService:
 
     def _model_name(self, req: OpenAIRequest) -> str:
         return req.adapter if req.adapter is not None else self.served_model_name
-
-    def _version(self, req: OpenAIRequest) -> str:
-        if req.adapter is not None and req.adapter in self.runner.adapters:
-            return self.runner.adapters.version(req.adapter)
-        return self.scheduler.weight_version
 
     async def models(self, body: Any) -> tuple[int, Any]:
         return 200, models_response(self.served_model_name, self.runner.adapters.names())
