@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 RUNTIME = SRC / "arealcli" / "runtime"
 # runtime/__init__.py's table: a package imports (anywhere in its code) only packages of lower layers
 LAYERS = {
-    "wire": 0, "tools": 0,
+    "wire": 0, "tools": 0, "vision": 0,
     "algo": 1, "models": 1, "data": 1, "rewards": 1, "console": 1, "optim": 1, "registry": 1,
     "generation": 2, "distributed": 2,
     "engines": 3,

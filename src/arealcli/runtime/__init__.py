@@ -1,7 +1,7 @@
 """Everything that needs torch: the engines and backends, the algorithms, the run.
 
 Folders, in layers (a package imports, anywhere in its code, only packages of lower layers):
-    0  wire (the protocols' messages), tools
+    0  wire (the protocols' messages), tools; loose: vision (images in, for vision-language models)
     1  algo, models, data, rewards, console; loose: optim, registry
     2  generation; loose: distributed
     3  engines

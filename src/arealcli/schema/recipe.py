@@ -17,10 +17,36 @@ from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.registry import INTERFACES
 
 
+class VisionArchConfig(StrictModel):
+    """The vision tower of a `qwen2_vl` model built from a config (Qwen2-VL's ViT and patch merger)."""
+
+    depth: PositiveInt = Field(2, le=128, description="Vision transformer layers.")
+    embed_dim: PositiveInt = Field(64, le=1 << 14, description="Width of the vision transformer.")
+    num_heads: PositiveInt = Field(2, le=256, description="Vision attention heads.")
+    mlp_ratio: PositiveInt = Field(2, le=16, description="Vision MLP width / embed_dim.")
+    patch_size: PositiveInt = Field(14, le=64, description="Pixels per patch side.")
+    spatial_merge_size: PositiveInt = Field(
+        2, le=8, description="Patches merged per side into one image token (merge^2 patches per token)."
+    )
+    max_pixels: PositiveInt = Field(
+        224 * 224, description="Larger images are scaled down to at most this many pixels."
+    )
+
+    @model_validator(mode="after")
+    def _heads(self) -> VisionArchConfig:
+        if self.embed_dim % self.num_heads or (self.embed_dim // self.num_heads) % 4:
+            raise ValueError(
+                f"embed_dim ({self.embed_dim}) / num_heads ({self.num_heads}) must be a multiple of 4"
+            )
+        return self
+
+
 class ModelArchConfig(StrictModel):
     """Build a model from an architecture config instead of loading weights (debugging, quickstarts)."""
 
-    family: Literal["qwen2", "llama"] = Field("qwen2", description="Architecture family.")
+    family: Literal["qwen2", "llama", "qwen2_vl"] = Field(
+        "qwen2", description="Architecture family (qwen2_vl: Qwen2-VL, a vision-language model)."
+    )
     hidden_size: PositiveInt = Field(64, le=1 << 16, description="Width of the residual stream.")
     num_hidden_layers: PositiveInt = Field(2, le=1024, description="Transformer layers.")
     num_attention_heads: PositiveInt = Field(4, le=1024, description="Query heads.")
@@ -29,6 +55,9 @@ class ModelArchConfig(StrictModel):
     max_position_embeddings: PositiveInt = Field(1024, le=1 << 22, description="Longest sequence, in tokens.")
     rope_theta: float = Field(10000.0, gt=0, description="Rotary embedding base.")
     tie_word_embeddings: bool = Field(True, description="Share input and output embeddings.")
+    vision: VisionArchConfig | None = Field(
+        None, description="The vision tower (family qwen2_vl; defaults when omitted)."
+    )
 
     @model_validator(mode="after")
     def _heads(self) -> ModelArchConfig:
@@ -40,6 +69,13 @@ class ModelArchConfig(StrictModel):
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.vision is not None and self.family != "qwen2_vl":
+            raise ValueError(f"`vision` is for family qwen2_vl, not {self.family}")
+        if self.family == "qwen2_vl" and (self.hidden_size // self.num_attention_heads) % 8:
+            raise ValueError(
+                f"qwen2_vl: hidden_size / num_attention_heads ({self.hidden_size // self.num_attention_heads}) "
+                "must be a multiple of 8 (its rotary dimensions are split over time, height and width)"
             )
         return self
 

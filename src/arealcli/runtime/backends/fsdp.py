@@ -168,11 +168,19 @@ class FSDPEngine(TrainEngine):
         return is_lora(self.module)
 
     def generate_prompts(
-        self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int, stop_texts=None
+        self,
+        prompts,
+        g: GenerationHyperparameters,
+        eos_ids: set[int],
+        pad_id: int,
+        stop_texts=None,
+        images=None,
     ):
         # with LoRA the adapters sit inside the base model's layers (all unsharded here): run it directly
         module = self.module.get_base_model() if self.lora else self.module
-        return generation.generate(module, prompts, g, eos_ids, pad_id, self.device, stop_texts=stop_texts)
+        return generation.generate(
+            module, prompts, g, eos_ids, pad_id, self.device, stop_texts=stop_texts, images=images
+        )
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
         """Collective: every rank sends its shards; rank 0 writes the HF directory (with LoRA: the merged
@@ -246,9 +254,7 @@ class FSDPBackend(ModelBackend):
         if a.gradient_checkpointing and a.optimizer is not None:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if hasattr(module, "config"):
-            module.config._attn_implementation = packing.attention_implementation(
-                a.attn_implementation, module.config
-            )
+            packing.set_attention(module, a.attn_implementation)
         architecture = type(module).__name__
         if a.lora is not None:
             module = with_lora(module, a.lora, model.seed)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from arealcli.runtime import distributed
+from arealcli.runtime import distributed, vision
 from arealcli.runtime.backends import packing
 from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.data.sample import SequenceSample
@@ -41,7 +41,10 @@ def run_packed(module, mb: SequenceSample, device, layout: str | None = None) ->
     lens = mb.seqlens["packed_input_ids"]
     layout = layout or choose_layout(module, lens)
     rows = packing.rows_of(lens, layout, packing.row_capacity(module, lens))
-    batch = packing.build_rows(mb.data["packed_input_ids"], lens, rows, with_positions=layout == "packed")
+    seeing = vision.is_vision(module)
+    batch = packing.build_rows(
+        mb.data["packed_input_ids"], lens, rows, with_positions=layout == "packed" or seeing
+    )
     head = lm_head(module)
     with capture_head_input(head) as captured:
         kwargs: dict[str, Any] = {}
@@ -51,6 +54,8 @@ def run_packed(module, mb: SequenceSample, device, layout: str | None = None) ->
             kwargs["position_ids"] = batch.position_ids.to(device)
             if packing.varlen_attention(module) == "sdpa" and batch.cu_seqlens:
                 kwargs[packing.CU_SEQLENS] = batch.cu_seqlens  # attention within each sequence
+        if seeing:
+            kwargs.update(vision_inputs(module, mb, batch, rows, device))
         # No attention mask: with right padding the causal mask alone keeps every real token from seeing
         # the pads after it (the pads' own outputs are dropped), and SDPA keeps its fast causal kernel.
         # Packed rows: attention within each sequence (varlen), or transformers' block-diagonal causal
@@ -62,6 +67,26 @@ def run_packed(module, mb: SequenceSample, device, layout: str | None = None) ->
         return LMOutput(hidden.flatten(0, 1)[index], weight, bias)
     out = out.logits if hasattr(out, "logits") else out
     return out.flatten(0, 1)[index]
+
+
+def vision_inputs(module, mb: SequenceSample, batch: packing.Rows, rows: list[list[int]], device) -> dict:
+    """A vision-language model's forward keywords for the rows of `batch`: its images in the order their
+    tokens appear in the rows, and (4, R, T) position ids: the per-sequence text positions (from which
+    transformers builds a packed row's mask) over each sequence's own M-RoPE positions
+    (`vision.positions`)."""
+    assert batch.position_ids is not None
+    images = vision.per_sample_images(mb)
+    grids = [g for _, g in images] if images is not None else [None] * mb.bs
+    mrope = torch.zeros(3, batch.ids.numel(), dtype=torch.long)
+    per_seq = [
+        vision.positions(module, ids.to(device), grid).cpu()
+        for ids, grid in zip(mb.unpack("packed_input_ids"), grids, strict=True)
+    ]
+    mrope[:, batch.index] = torch.cat(per_seq, dim=1)
+    out = {"position_ids": torch.cat([batch.position_ids[None], mrope.view(3, *batch.ids.shape)]).to(device)}
+    if images is not None:
+        out.update(vision.joined(images, [i for row in rows for i in row], device))
+    return out
 
 
 def choose_layout(module, lens: list[int]) -> str:
@@ -148,13 +173,19 @@ class HFEngine(TrainEngine):
         return is_lora(self.module)
 
     def generate_prompts(
-        self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int, stop_texts=None
+        self,
+        prompts,
+        g: GenerationHyperparameters,
+        eos_ids: set[int],
+        pad_id: int,
+        stop_texts=None,
+        images=None,
     ):
         # with LoRA the adapters sit inside the base model's layers: generate with it directly
         module = self.module.get_base_model() if self.lora else self.module
         with self.autocast():
             return generation.generate(
-                module, prompts, g, eos_ids, pad_id, self.device, stop_texts=stop_texts
+                module, prompts, g, eos_ids, pad_id, self.device, stop_texts=stop_texts, images=images
             )
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
@@ -241,9 +272,7 @@ class HFBackend(ModelBackend):
         elif a.gradient_checkpointing:
             module.gradient_checkpointing_enable()
         if hasattr(module, "config"):
-            module.config._attn_implementation = packing.attention_implementation(
-                a.attn_implementation, module.config
-            )
+            packing.set_attention(module, a.attn_implementation)
         if a.lora is not None:
             module = with_lora(module, a.lora, model.seed)
         module = module.to(device)

@@ -59,6 +59,20 @@ def attention_implementation(name: str, config) -> str:
     return VARLEN_SDPA
 
 
+def set_attention(module, name: str) -> None:
+    """Give a transformers module the attention implementation of `attention_implementation`; a
+    vision-language model's language model only (its vision tower keeps plain SDPA: its attention runs
+    over image patches, and packed rows' sequence boundaries mean nothing there)."""
+    from arealcli.runtime.vision import text_config
+
+    config = module.config
+    impl = attention_implementation(name, text_config(config))
+    if getattr(config, "vision_config", None) is not None:
+        config._attn_implementation = {"": impl, "text_config": impl, "vision_config": "sdpa"}
+    else:
+        config._attn_implementation = impl
+
+
 def register_varlen_sdpa() -> None:
     """Register `VARLEN_SDPA` with transformers (attention and mask functions); idempotent."""
     from transformers import AttentionInterface
@@ -139,8 +153,10 @@ def varlen_sdpa_mask(*, attention_mask=None, q_length=0, kv_length=0, q_offset=0
 def varlen_attention(module) -> str | None:
     """How the module attends within each sequence of one packed row: "sdpa" (`VARLEN_SDPA`),
     "flash" (transformers' flash-attention varlen path, from the position ids), or None."""
+    from arealcli.runtime.vision import text_config
+
     config = getattr(module, "config", None)
-    impl = str(getattr(config, "_attn_implementation", ""))
+    impl = str(getattr(text_config(config), "_attn_implementation", ""))
     if impl == VARLEN_SDPA:
         return "sdpa"
     return "flash" if impl.startswith("flash_attention") else None

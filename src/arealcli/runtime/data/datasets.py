@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from arealcli.errors import DataError
+from arealcli.runtime import vision
 from arealcli.runtime.data.chat import (
     messages_problem,
     render_conversation,
@@ -132,6 +133,14 @@ def _load_dataset(source: str, path: Path | None, args) -> Any:
     return table
 
 
+def data_folder(args, base_dir: str | Path) -> Path:
+    """The folder a data source's relative paths (images) are relative to: the data file's, or the
+    dataset folder itself."""
+    path = Path(args.path).expanduser()
+    path = path if path.is_absolute() else Path(base_dir) / path
+    return path if path.is_dir() else path.parent
+
+
 def read_valid_rows(args, base_dir, problem_of) -> tuple[str, list[tuple[str, Any]]]:
     """(source, [(where, row)]) of the rows up to `limit`, each checked by `problem_of(row) -> why |
     None`: every bad row is named at once (up to MAX_REPORTED), and no rows at all is an error."""
@@ -170,6 +179,8 @@ class PromptAnswerDataset:
         self.args, self.tokenizer = args, tokenizer
         if args.messages_key is not None or args.apply_chat_template or args.episode_tools is not None:
             require_template(tokenizer)
+        self.images = vision.encoder_of(tokenizer)  # the run reads images (a vision-language model)
+        self.image_dir = data_folder(args, base_dir)
         self.path, rows = read_valid_rows(args, base_dir, self._row_problem)
         self.notes: list[str] = []
         self.items: list[dict[str, Any]] = []
@@ -215,6 +226,17 @@ class PromptAnswerDataset:
             prompt = row[a.prompt_key]
             if text_value(prompt) is None or (isinstance(prompt, str) and not prompt):
                 return f"{a.prompt_key!r} must be a non-empty text, got {kind_of(prompt) if prompt != '' else 'an empty text'}"
+        images = vision.images_in(row.get(a.image_key))
+        if images and self.images is None:
+            return (
+                f"the row has an image ({a.image_key!r}) but no model of the run reads images (a "
+                "vision-language model: family qwen2_vl, or a Qwen2-VL folder)"
+            )
+        for image in images:
+            try:
+                vision.open_image(image, self.image_dir)
+            except DataError as e:
+                return f"{a.image_key!r}: {e}"
         if a.episode_key is not None and row.get(a.episode_key) is not None:
             problem = (
                 _chat_episode_problem(row[a.episode_key], a.episode_key)
@@ -246,6 +268,12 @@ class PromptAnswerDataset:
             assert text is not None  # _row_problem refused the rows without a text prompt
             prompt = text
             prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        pixels = grids = None
+        if self.images is not None:  # placeholder tokens where the images go (none: text only)
+            opened = [vision.open_image(x, self.image_dir) for x in vision.images_in(row.get(a.image_key))]
+            pixels, grids = self.images.encode(opened)
+            if opened:
+                prompt_ids = self.images.tokenize(tok, prompt, grids)
         answers = row[a.answer_key] if isinstance(row[a.answer_key], list) else [row[a.answer_key]]
         answers = [text_value(x) for x in answers]
         episode = row.get(a.episode_key) if a.episode_key is not None else None
@@ -269,6 +297,8 @@ class PromptAnswerDataset:
             "truncated": len(full) > a.max_length,
             "prompt": prompt,
             "answers": answers,
+            "pixel_values": pixels,
+            "image_grid_thw": grids,
         }
 
     def _chat_episode(
@@ -318,9 +348,20 @@ class PromptAnswerDataset:
                 ],
                 "loss_mask": [torch.tensor(it["loss_mask"], dtype=torch.bool) for it in items],
                 "packed_prompts": [torch.tensor(it["prompt_ids"]) for it in items],
+                **(self._images(items) if self.images is not None else {}),
             },
             {"prompt": [it["prompt"] for it in items], "answers": [it["answers"] for it in items]},
         )
+
+    def _images(self, items: list[dict[str, Any]]) -> dict[str, list[torch.Tensor]]:
+        """The batch's image keys (`vision.IMAGE_KEYS`): each row's, none for a row without images."""
+        assert self.images is not None
+        none = self.images.encode([])
+        pairs = [
+            (it["pixel_values"], it["image_grid_thw"]) if it.get("image_grid_thw") is not None else none
+            for it in items
+        ]
+        return {"pixel_values": [p for p, _ in pairs], "image_grid_thw": [g for _, g in pairs]}
 
 
 def _episode_problem(episode: Any, key: str) -> str | None:

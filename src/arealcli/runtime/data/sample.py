@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from arealcli.runtime.vision import IMAGE_KEYS
 from arealcli.schema.components.datasets import PAIR
 from arealcli.schema.components.engine import MicroBatchSpec
 
@@ -119,10 +120,12 @@ class SequenceSample:
     # ------------------------------------------------------------------ selection / merging
 
     def select(self, keys: list[str] | set[str]) -> SequenceSample:
-        """Only `keys` (tensor and meta); missing keys are an error naming what exists."""
+        """Only `keys` (tensor and meta), and the sequences' images (`IMAGE_KEYS`) when the batch has
+        them; missing keys are an error naming what exists."""
         missing = [k for k in keys if k not in self.keys]
         if missing:
             raise KeyError(f"keys {missing} not in the batch (has {sorted(self.keys)})")
+        keys = {*keys, *(k for k in IMAGE_KEYS if k in self.data)}
         return SequenceSample(
             list(self.ids),
             {k: list(v) for k, v in self.seqlens.items() if k in keys},

@@ -17,14 +17,20 @@ CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c"]
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 
 
-def char_tokenizer():
-    from tokenizers import Tokenizer, decoders, models
+def char_tokenizer(vision: bool = False):
+    """The character tokenizer; with `vision`, also a vision-language model's image tokens (special
+    tokens after the characters: `runtime.vision.VISION_TOKENS`)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
+
+    from arealcli.runtime.vision import VISION_TOKENS
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
     # BPE without merges splits every string into single characters.
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.decoder = decoders.Fuse()
+    if vision:
+        tok.add_special_tokens([AddedToken(t, special=True) for t in VISION_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
     )
@@ -54,9 +60,10 @@ def from_directory(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_tokenizer(spec: TokenizerSpec | None, fallback_path: str | None):
+def load_tokenizer(spec: TokenizerSpec | None, fallback_path: str | None, vision: bool = False):
+    """The recipe's tokenizer (`vision`: the char tokenizer with image tokens)."""
     if spec is not None and spec.kind == "char":
-        return _with_template(char_tokenizer(), spec)
+        return _with_template(char_tokenizer(vision), spec)
     path = spec.path if spec is not None else fallback_path
     if path is None:
         raise ValueError("no tokenizer: set `tokenizer:` in the recipe or give a model a `path`")

@@ -43,6 +43,7 @@ from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.engines.lm_output import LMOutput, outputs_for
 from arealcli.runtime.generation.sampling import GenerationResult, StopTexts, stop_texts_of
 from arealcli.runtime.models.flops import FlopShape, shape_of
+from arealcli.runtime.vision import per_sample_images
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
 # loss_fn(outputs, mb) -> (scalar loss, {stat: scalar tensor}); outputs are packed logits (tokens, vocab),
@@ -94,9 +95,11 @@ class TrainEngine(Engine):
         eos_ids: set[int],
         pad_id: int,
         stop_texts: StopTexts | None = None,
+        images: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> GenerationResult:
         """`stop_texts` (when `g.stop` is set): end a sample at the token completing one while
-        generating; a backend that cannot leaves it to `generate`, which cuts every sample after."""
+        generating; a backend that cannot leaves it to `generate`, which cuts every sample after.
+        `images`: a vision-language model's images per prompt (runtime/vision.py)."""
         raise NotImplementedError
 
     def save_to_hf(self, tokenizer: Any, save_dir: str) -> None:
@@ -343,6 +346,7 @@ class TrainEngine(Engine):
                     eos,
                     tokenizer.pad_token_id,
                     texts,
+                    images=per_sample_images(mb),
                 )
                 for mb in mbs
             ]

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch
 
+from arealcli.runtime import vision
 from arealcli.runtime.generation import decoder as lean_decoder
 from arealcli.schema.components.engine import GenerationHyperparameters
 
@@ -162,10 +163,12 @@ def generate(
     device,
     should_abort: Callable[[], bool] | None = None,
     stop_texts: StopTexts | None = None,
+    images: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> GenerationResult:
     """`should_abort()` is polled before every decode step; when it returns True the samples stop where
     they are (a server aborting requests for a weight update). A sample also ends at the token that
-    completes one of `stop_texts`."""
+    completes one of `stop_texts`. `images`: a vision-language model's (pixel_values, image_grid_thw)
+    per prompt, whose placeholder tokens the prompts hold (runtime/vision.py)."""
     B = len(prompts)
     P = max(len(p) for p in prompts)
     ids = torch.full((B, P), pad_id, dtype=torch.long, device=device)
@@ -176,6 +179,11 @@ def generate(
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     stop = torch.tensor(sorted(eos_ids | set(g.stop_token_ids)), dtype=torch.long, device=device)
     lean = None
+    seeing: dict = {}
+    placeholders: list[int] = []
+    if vision.is_vision(module):  # M-RoPE: (3, B, P) positions; the text after continues past the largest
+        seeing, pos = vision.prompt_inputs(module, ids, attn, images, device)
+        placeholders = vision.placeholder_ids(module)
     if lean_decoder.supports(module):
         dtype = next(module.parameters()).dtype
         if torch.is_autocast_enabled(torch.device(device).type):
@@ -185,7 +193,7 @@ def generate(
     else:
         # transformers >= 5.2x names the cache argument `cache` (older: `past_key_values`)
         cache_arg = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
-        out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+        out = module(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **seeing)
         past, logits = _cache_of(out), out.logits[:, -1]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     tokens, logps = [], []
@@ -195,6 +203,8 @@ def generate(
         logits = logits.float()
         if t < g.min_new_tokens:
             logits[:, stop] = float("-inf")
+        if placeholders:  # a vision-language model's image placeholders stand for images, never sampled
+            logits[:, placeholders] = float("-inf")
         token, logp = sample(logits, g)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
         tokens.append(token)
@@ -216,7 +226,7 @@ def generate(
             break
         if should_abort is not None and should_abort():
             break
-        pos = pos[:, -1:] + 1
+        pos = pos[..., -1:] + 1
         if lean is not None:
             logits = lean.step(token[:, None], pos, torch.ones(B, 1, dtype=torch.bool, device=device))
             continue

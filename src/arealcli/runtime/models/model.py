@@ -75,8 +75,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def hf_config_from_arch(arch: ModelArchConfig, tokenizer) -> Any:
     from transformers import LlamaConfig, Qwen2Config
 
+    if arch.family == "qwen2_vl":
+        return vision_config_from_arch(arch, tokenizer)
     cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch.family]
-    return cls(
+    return cls(**text_config_args(arch, tokenizer))
+
+
+def text_config_args(arch: ModelArchConfig, tokenizer) -> dict[str, Any]:
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=arch.hidden_size,
         num_hidden_layers=arch.num_hidden_layers,
@@ -92,9 +98,47 @@ def hf_config_from_arch(arch: ModelArchConfig, tokenizer) -> Any:
     )
 
 
+def vision_config_from_arch(arch: ModelArchConfig, tokenizer) -> Any:
+    """A Qwen2-VL config: the language model of `arch` with M-RoPE (its rotary dimensions split over
+    time, height and width as Qwen2-VL splits them, 1 : 1.5 : 1.5), the vision tower of `arch.vision`, and
+    the tokenizer's vision tokens."""
+    from transformers import Qwen2VLConfig
+
+    from arealcli.runtime.vision import VISION_TOKENS
+    from arealcli.schema.recipe import VisionArchConfig
+
+    v = arch.vision or VisionArchConfig()
+    half = arch.hidden_size // arch.num_attention_heads // 2
+    t = half // 4
+    h = (half - t) // 2
+    text = text_config_args(arch, tokenizer)
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": arch.rope_theta,
+        "mrope_section": [t, h, half - t - h],
+    }
+    del text["rope_theta"]
+    start, end, pad = (tokenizer.convert_tokens_to_ids(tok) for tok in VISION_TOKENS)
+    return Qwen2VLConfig(
+        text_config=text,
+        vision_config=dict(
+            depth=v.depth,
+            embed_dim=v.embed_dim,
+            hidden_size=arch.hidden_size,
+            num_heads=v.num_heads,
+            mlp_ratio=v.mlp_ratio,
+            patch_size=v.patch_size,
+            spatial_merge_size=v.spatial_merge_size,
+        ),
+        image_token_id=pad,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=arch.tie_word_embeddings,
+    )
+
+
 def build_module(spec: ModelSpec, tokenizer, seed: int, source_module=None):
     """The transformers module of one model spec (fp32, on CPU; the backend moves and casts it)."""
-    from transformers import AutoModelForCausalLM
 
     if spec.init_from is not None:
         import copy
@@ -117,9 +161,10 @@ def build_module(spec: ModelSpec, tokenizer, seed: int, source_module=None):
             ) from None
     else:
         assert spec.config is not None  # a model has exactly one source (ModelSpec): here, its config
+        config = hf_config_from_arch(spec.config, tokenizer)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            module = AutoModelForCausalLM.from_config(hf_config_from_arch(spec.config, tokenizer))
+            module = auto_class(config).from_config(config)
     if spec.value_head and not isinstance(module, CausalLMWithValueHead):
         module = with_value_head(module, seed)
     if spec.value_head:  # its score is read at the last token that is not the tokenizer's pad token
@@ -130,12 +175,25 @@ def build_module(spec: ModelSpec, tokenizer, seed: int, source_module=None):
 def _from_pretrained(spec: ModelSpec, seed: int):
     """A model folder (or Hub name) as a causal LM, or with a value head: a saved classifier's trained
     one (a reward model), else a fresh one."""
-    from transformers import AutoModelForCausalLM
-
     assert spec.path is not None
     if spec.value_head:
         return load_value_head_model(spec.path, seed)
-    return AutoModelForCausalLM.from_pretrained(spec.path, dtype=torch.float32)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(spec.path)
+    return auto_class(config).from_pretrained(spec.path, dtype=torch.float32)
+
+
+def auto_class(config) -> Any:
+    """The transformers auto class that builds a model of `config`: image-text-to-text for a
+    vision-language model, else causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return (
+        AutoModelForImageTextToText
+        if getattr(config, "vision_config", None) is not None
+        else AutoModelForCausalLM
+    )
 
 
 class BaseModelView:

@@ -15,6 +15,7 @@ from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.base import ModelInterface
 from arealcli.runtime.models import flops
 from arealcli.runtime.models.model import Model
+from arealcli.runtime.vision import IMAGE_KEYS
 from arealcli.schema.recipe import CallSpec
 
 _UNREAD: Any = object()
@@ -86,7 +87,11 @@ def run_calls(calls: list[Call], batch: SequenceSample, step: int) -> tuple[Sequ
                 # new sequences (generation): per-token keys of the old ones (e.g. the dataset's
                 # answer loss_mask) no longer line up with them and are dropped
                 old = batch.seqlens["packed_input_ids"]
-                stale = {k for k in batch.data if k not in spec.outputs and batch.seqlens[k] == old}
+                stale = {
+                    k
+                    for k in batch.data
+                    if k not in spec.outputs and k not in IMAGE_KEYS and batch.seqlens[k] == old
+                }
                 batch = batch.select(batch.keys - stale)
             missing = [k for k in spec.outputs if k not in result.keys]
             if missing:

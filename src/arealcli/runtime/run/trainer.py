@@ -41,7 +41,7 @@ from arealcli.runtime.run.session import given_servers
 from arealcli.runtime.run.targets import step_of
 from arealcli.runtime.run.weight_sync import WeightSync
 from arealcli.schema.components.datasets import PAIR
-from arealcli.schema.recipe import ModelSpec, Recipe, on_rollout_side
+from arealcli.schema.recipe import ModelSpec, Recipe, VisionArchConfig, on_rollout_side
 
 
 def model_seeds(recipe: Recipe) -> dict[str, int]:
@@ -666,12 +666,37 @@ def resolve_path(path: str, recipe_dir: Path) -> str:
 
 
 def recipe_tokenizer(recipe: Recipe, recipe_dir: Path) -> Any:
-    """The run's tokenizer: the recipe's `tokenizer`, else the first model's folder's."""
+    """The run's tokenizer: the recipe's `tokenizer`, else the first model's folder's; with an image
+    encoder (`runtime.vision`) when a model of the run reads images."""
+    from arealcli.runtime import vision
+
     first_path = next((m.path for m in recipe.models.values() if m.path), None)
     spec = recipe.tokenizer
     if spec is not None and spec.path:  # relative to the recipe, or a Hub name
         spec = spec.model_copy(update={"path": resolve_path(spec.path, recipe_dir)})
-    return load_tokenizer(spec, first_path and resolve_path(first_path, recipe_dir))
+    seeing = vision_model(recipe, recipe_dir)
+    tok = load_tokenizer(spec, first_path and resolve_path(first_path, recipe_dir), vision=seeing is not None)
+    if seeing is None:
+        return tok
+    m = recipe.models[seeing]
+    if m.config is not None:
+        v = m.config.vision or VisionArchConfig()
+        processor = vision.small_image_processor(v.patch_size, v.spatial_merge_size, v.max_pixels)
+    else:
+        processor = vision.folder_image_processor(resolve_path(m.path or "", recipe_dir))
+    return vision.with_images(tok, processor)
+
+
+def vision_model(recipe: Recipe, recipe_dir: Path) -> str | None:
+    """The first model of the recipe that reads images (a qwen2_vl config, or a vision-language folder)."""
+    from arealcli.runtime.vision import config_is_vision
+
+    for name, m in recipe.models.items():
+        if m.config is not None and m.config.family == "qwen2_vl":
+            return name
+        if m.path and config_is_vision(resolve_path(m.path, recipe_dir)):
+            return name
+    return None
 
 
 def resolved_spec(recipe: Recipe, recipe_dir: Path, name: str) -> ModelSpec:

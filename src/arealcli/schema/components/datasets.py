@@ -48,6 +48,13 @@ class PromptAnswerArgs(DataSourceArgs):
         "(instruct models).",
     )
     append_eos: bool = Field(True, description="End each answer with the tokenizer's EOS token.")
+    image_key: str = Field(
+        "image",
+        description="Field holding the prompt's image(s), for a vision-language model: a path (relative to "
+        "the data file), a data: URL, bytes or an image record (parquet, Hugging Face Image features), or a "
+        "list of those; each goes where the prompt has `<image>`, else before the text. Rows without it "
+        "are text only.",
+    )
     episode_key: str | None = Field(
         None,
         description="Field holding a worked episode for SFT, [{role: assistant|tool, content}] as the "

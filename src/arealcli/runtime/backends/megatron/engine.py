@@ -214,12 +214,20 @@ class MegatronEngine(TrainEngine):
         return float("nan") if grad_norm is None else float(grad_norm)
 
     def generate_prompts(
-        self, prompts, g: GenerationHyperparameters, eos_ids: set[int], pad_id: int, stop_texts=None
+        self,
+        prompts,
+        g: GenerationHyperparameters,
+        eos_ids: set[int],
+        pad_id: int,
+        stop_texts=None,
+        images=None,
     ):
         """SLOW by design: no KV cache, every new token re-runs the full forward over every sequence
         (O(T^2) work per sample). It exists for evaluation and debugging; for RL rollouts use an
         hf / sglang / vllm generation model that receives this model's weights (``save_to_hf``). Stop
         texts are not checked while generating (`generate` cuts the samples after)."""
+        if images:
+            raise NotImplementedError("the megatron backend builds text-only models: it reads no images")
         return self._generate_mb(prompts, g, eos_ids | set(g.stop_token_ids), pad_id)
 
     def _generate_mb(
