@@ -24,11 +24,12 @@ import binascii
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from arealcli.errors import DataError
+
+if TYPE_CHECKING:  # torch is imported where it is used: `areal check` reads images without it
+    import torch
 
 # The images of a vision-language batch: they go with their sequences wherever those go
 # (`SequenceSample.select` keeps them).
@@ -134,6 +135,8 @@ class ImageEncoder:
 
     def encode(self, images: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values (patches, D), image_grid_thw (n, 3)) of PIL images; empty for none."""
+        import torch
+
         if not images:
             return torch.zeros(0, self.patch_dim), torch.zeros(0, 3, dtype=torch.long)
         out = self.processor(images=images, return_tensors="pt")
@@ -229,6 +232,8 @@ def folder_image_processor(path: str | Path):
 
 def positions(module, ids: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
     """(3, L) M-RoPE position ids of one sequence `ids` (L,) whose images have `grids` (n, 3) in order."""
+    import torch
+
     if grids is None or grids.shape[0] == 0:
         return torch.arange(ids.shape[0], device=ids.device).expand(3, -1)
     model = base_module(module).model
@@ -241,12 +246,28 @@ def positions(module, ids: torch.Tensor, grids: torch.Tensor | None) -> torch.Te
 
 def placeholder_ids(module) -> list[int]:
     """The tokens that stand for image (and video) features: a sequence must hold exactly as many as its
-    images have features, so generation never samples them (their probability, which a trained model
-    leaves near zero, goes to the other tokens)."""
+    images have features, so generation never samples them, and the trainer's log-probs leave them out
+    too (`placeholder_bias`): the policy is the model's distribution over the other tokens."""
     model = base_module(module)
     vocab = model.get_input_embeddings().num_embeddings
     ids = (model.config.image_token_id, getattr(model.config, "video_token_id", None))
     return [i for i in ids if i is not None and 0 <= i < vocab]
+
+
+# The logit a placeholder token gets: exp() of it is 0 next to any real logit, and unlike -inf it keeps
+# p * log p (entropies) at 0 rather than NaN.
+EXCLUDED_LOGIT = -1e4
+
+
+def placeholder_bias(module, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The LM head's bias with the placeholders (`placeholder_ids`) excluded: the distribution the
+    trainer computes is the one generation samples from."""
+    ids = placeholder_ids(module)
+    if not ids:
+        return bias
+    out = weight.new_zeros(weight.shape[0]) if bias is None else bias.clone()
+    out[ids] = EXCLUDED_LOGIT
+    return out
 
 
 def per_sample_images(mb) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -261,6 +282,8 @@ def joined(
 ) -> dict[str, torch.Tensor]:
     """The forward keywords of the images of samples `order` (their tokens in that order): pixel_values
     and image_grid_thw concatenated; nothing when none has an image."""
+    import torch
+
     grids = [images[i][1] for i in order]
     if not any(g.shape[0] for g in grids):
         return {}

@@ -64,6 +64,8 @@ def run_packed(module, mb: SequenceSample, device, layout: str | None = None) ->
     index = batch.index.to(device)  # packed token n sits at flat position index[n] of the (R, T) rows
     if captured:
         hidden, weight, bias = captured[0]  # hidden (R, T, H)
+        if seeing:  # the policy is over the tokens generation may write (placeholders excluded)
+            bias = vision.placeholder_bias(module, weight, bias)
         return LMOutput(hidden.flatten(0, 1)[index], weight, bias)
     out = out.logits if hasattr(out, "logits") else out
     return out.flatten(0, 1)[index]

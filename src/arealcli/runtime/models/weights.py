@@ -54,13 +54,41 @@ def load_state(module: torch.nn.Module, state: dict[str, torch.Tensor], where: s
     source in the error (`checkpoint DIR`, `weights DIR`)."""
     from arealcli.runtime.models.value_head import renamed_legacy_head
 
-    missing, unexpected = module.load_state_dict(renamed_legacy_head(state), strict=False)
+    missing, unexpected = module.load_state_dict(renamed_legacy_head(own_names(module, state)), strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")}
     if set(missing) - tied or unexpected:
         raise RuntimeError(f"{where} does not match the model: missing {missing}, unexpected {unexpected}")
     tie_weights = getattr(module, "tie_weights", None)  # transformers: lm_head shares the embeddings
     if tied and tie_weights is not None:
         tie_weights()
+
+
+def own_names(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` under the module's own parameter names. transformers saves some models under other names
+    than their modules use (Qwen2-VL: `visual.*` and `model.layers.*` for `model.visual.*` and
+    `model.language_model.layers.*`, the names other tools read); those are mapped back."""
+    own = module.state_dict()
+    if all(k in own for k in state):
+        return state
+    mapping = saved_names(module)
+    return {mapping.get(k, k): v for k, v in state.items()}
+
+
+def saved_names(module: torch.nn.Module) -> dict[str, str]:
+    """name in a saved folder -> the module's own name, for the parameters transformers renames on save
+    (its `revert_weight_conversion`, applied to the module's names)."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(module, PreTrainedModel):
+        return {}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers before its weight conversions renamed nothing
+        return {}
+    names = list(module.state_dict())
+    marked = {name: torch.tensor([i]) for i, name in enumerate(names)}  # each name's tensor says its index
+    saved = revert_weight_conversion(module, marked)
+    return {key: names[int(t[0])] for key, t in saved.items()}
 
 
 def export_hf(module, tokenizer, directory: Path) -> None:

@@ -1,0 +1,293 @@
+"""Vision-language models: images in data, packed forwards, generation with images, the quickstart learns.
+
+A tiny Qwen2-VL-shaped model built from a config (as `recipes/vlm-quickstart.yaml` builds it) reads the
+colour pictures of `data/colours` (scripts/make_colour_data.py) and rows written here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import REPO, train_until_crash, write_jsonl
+
+COLOURS = REPO / "data" / "colours"
+ARCH = {
+    "family": "qwen2_vl",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 128,
+    "max_position_embeddings": 64,
+    "vision": {"depth": 1, "embed_dim": 32, "num_heads": 2},
+}
+
+
+def vision_tokenizer():
+    from arealcli.runtime import vision
+    from arealcli.runtime.data.tokenizer import char_tokenizer
+
+    return vision.with_images(char_tokenizer(vision=True), vision.small_image_processor())
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return vision_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def module(tok):
+    from arealcli.runtime.backends import packing
+    from arealcli.runtime.models.model import build_module
+    from arealcli.schema.recipe import ModelArchConfig, ModelSpec
+
+    m = build_module(ModelSpec(config=ModelArchConfig(**ARCH)), tok, seed=0).eval()
+    packing.set_attention(m, "sdpa")  # as the backends set it: varlen SDPA in the decoder only
+    return m
+
+
+def mixed_rows(folder: Path) -> Path:
+    """Rows with one image, two images (marks), a data: URL, raw text only; of different lengths."""
+    images = folder / "pics"
+    shutil.copytree(COLOURS / "images", images, dirs_exist_ok=True)
+    data_url = "data:image/png;base64," + base64.b64encode((images / "test-0003.png").read_bytes()).decode()
+    rows = [
+        {"image": "pics/train-0000.png", "prompt": "<image>colour:", "answer": "purple"},
+        {
+            "image": ["pics/train-0001.png", "pics/train-0002.png"],
+            "prompt": "a <image> b <image> same?",
+            "answer": "no",
+        },
+        {"image": data_url, "prompt": "what colour is this shape?", "answer": "orange"},
+        {"prompt": "no picture here:", "answer": "ok"},
+        {"image": "pics/train-0004.png", "prompt": "<image>c:", "answer": "red"},
+    ]
+    return write_jsonl(folder / "rows.jsonl", rows)
+
+
+def dataset(path: Path, tok, **args):
+    from arealcli.runtime.data.datasets import PromptAnswerDataset
+    from arealcli.schema.components.datasets import PromptAnswerArgs
+
+    return PromptAnswerDataset(PromptAnswerArgs(path=str(path), **args), tok, path.parent)
+
+
+def test_rows_become_image_tokens_pixels_and_grids(tok, tmp_path):
+    ds = dataset(mixed_rows(tmp_path), tok)
+    batch = ds.collate(list(range(len(ds))))
+    grids = batch.unpack("image_grid_thw")
+    assert [g.shape[0] for g in grids] == [1, 2, 1, 0, 1]
+    enc = ds.images
+    pad = enc.image_token_id
+    for ids, grid, pixels in zip(
+        batch.unpack("packed_prompts"), grids, batch.unpack("pixel_values"), strict=True
+    ):
+        # each image: <|vision_start|>, t*h*w / merge^2 placeholders, <|vision_end|>; its patches in pixel_values
+        assert int((ids == pad).sum()) == sum(int(g.prod()) // 4 for g in grid)
+        assert int((ids == enc.start_token_id).sum()) == grid.shape[0]
+        assert pixels.shape[0] == sum(int(g.prod()) for g in grid)
+    first = batch.unpack("packed_prompts")[1].tolist()  # "a <image> b <image> same?": marks in place
+    text = tok.decode(first)
+    assert text.startswith("a <|vision_start|>") and text.endswith("<|vision_end|> same?")
+    # a selection of other keys keeps the images with their sequences; so do subsets
+    picked = batch.select(["packed_input_ids"]).subset([4, 1])
+    assert picked.seqlens["image_grid_thw"] == [1, 2]
+
+
+def test_bad_image_rows_are_named_with_their_line(tok, tmp_path):
+    from arealcli.errors import DataError
+
+    (tmp_path / "junk.png").write_bytes(b"not a picture")
+    path = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"image": "missing.png", "prompt": "p", "answer": "a"},
+            {"image": "junk.png", "prompt": "p", "answer": "a"},
+            {"image": "data:image/png;base64,@@@", "prompt": "p", "answer": "a"},
+            {"image": 7, "prompt": "p", "answer": "a"},
+        ],
+    )
+    with pytest.raises(DataError) as e:
+        dataset(path, tok)
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith(f"{path}:1:") and "missing.png does not exist" in lines[0]
+    assert lines[1].startswith(f"{path}:2:") and "not a readable image" in lines[1]
+    assert lines[2].startswith(f"{path}:3:") and "not valid base64" in lines[2]
+    assert lines[3].startswith(f"{path}:4:") and "must be a path" in lines[3]
+
+    marks = write_jsonl(
+        tmp_path / "marks.jsonl",
+        [{"image": str(COLOURS / "images/test-0000.png"), "prompt": "<image><image>", "answer": "a"}],
+    )
+    with pytest.raises(DataError, match="2 <image> marks for 1 images"):
+        dataset(marks, tok)
+
+
+def test_images_need_a_model_that_reads_them(char_tok, tmp_path):
+    from arealcli.errors import DataError
+
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"image": "x.png", "prompt": "p", "answer": "a"}])
+    with pytest.raises(DataError, match="no model of the run reads images"):
+        dataset(path, char_tok)
+
+
+def forward_logits(module, mb, layout):
+    from arealcli.runtime.backends.hf import run_packed
+    from arealcli.runtime.engines.lm_output import as_lm_output
+
+    with torch.no_grad():
+        return as_lm_output(run_packed(module, mb, "cpu", layout)).logits
+
+
+def test_packed_padded_and_transformers_own_forward_agree(module, tok, tmp_path):
+    from arealcli.runtime import vision
+
+    ds = dataset(mixed_rows(tmp_path), tok)
+    mb = ds.collate(list(range(len(ds))))
+    packed, padded = forward_logits(module, mb, "packed"), forward_logits(module, mb, "padded")
+    assert torch.allclose(packed, padded, atol=1e-5), (packed - padded).abs().max()
+    # each sequence alone through transformers' own path (it computes the M-RoPE positions itself)
+    own = []
+    for ids, (pixels, grid) in zip(mb.unpack("packed_input_ids"), vision.per_sample_images(mb), strict=True):
+        extra = {"pixel_values": pixels, "image_grid_thw": grid} if grid.shape[0] else {}
+        with torch.no_grad():
+            out = module(
+                input_ids=ids[None],
+                mm_token_type_ids=(ids == module.config.image_token_id).int()[None],
+                use_cache=False,
+                **extra,
+            )
+        own.append(out.logits[0])
+    own = torch.cat(own)
+    keep = torch.ones(own.shape[1], dtype=torch.bool)
+    keep[vision.placeholder_ids(module)] = False  # left out of the policy: generation never writes them
+    assert torch.allclose(packed[:, keep], own[:, keep], atol=1e-5)
+    assert (packed[:, ~keep] <= vision.EXCLUDED_LOGIT + 100).all()
+    # micro-batches of any split carry their own images: the same per-token outputs
+    from arealcli.schema.components.engine import MicroBatchSpec
+
+    mbs, _, backward = mb.split(MicroBatchSpec(n_mbs=3))
+    assert len(mbs) == 3
+    parts = [forward_logits(module, m, "packed") for m in mbs]
+    per_sample = [
+        p
+        for part, m in zip(parts, mbs, strict=True)
+        for p in torch.split(part, m.seqlens["packed_input_ids"])
+    ]
+    assert torch.allclose(torch.cat([per_sample[i] for i in backward]), packed, atol=1e-5)
+
+
+def test_generation_with_images_matches_the_training_forward(module, tok, tmp_path):
+    """The generator's log-probs are the trainer's: the same positions for the image tokens and the text
+    after them, left padding or not, and placeholders never sampled."""
+    from arealcli.runtime import vision
+    from arealcli.runtime.data.sample import SequenceSample
+    from arealcli.runtime.generation.sampling import generate
+    from arealcli.runtime.interfaces.token_logprobs import next_token_logprobs
+    from arealcli.schema.components.engine import GenerationHyperparameters
+
+    ds = dataset(mixed_rows(tmp_path), tok)
+    batch = ds.collate(list(range(len(ds))))
+    prompts = [p.tolist() for p in batch.unpack("packed_prompts")]
+    g = GenerationHyperparameters(max_new_tokens=6, min_new_tokens=6, temperature=1.0)
+    torch.manual_seed(0)
+    res = generate(module, prompts, g, set(), tok.pad_token_id, "cpu", images=vision.per_sample_images(batch))
+    assert all(len(ids) == 6 for ids in res.output_ids)
+    assert not any(t in vision.placeholder_ids(module) for ids in res.output_ids for t in ids)
+    seqs = SequenceSample.from_lists(
+        batch.ids,
+        {
+            "packed_input_ids": [torch.tensor(p + o) for p, o in zip(prompts, res.output_ids, strict=True)],
+            "pixel_values": batch.unpack("pixel_values"),
+            "image_grid_thw": batch.unpack("image_grid_thw"),
+        },
+    )
+    from arealcli.runtime.backends.hf import run_packed
+
+    with torch.no_grad():
+        logp = next_token_logprobs(run_packed(module, seqs, "cpu"), seqs)
+    for i, (lp, p) in enumerate(
+        zip(torch.split(logp, seqs.seqlens["packed_input_ids"]), prompts, strict=True)
+    ):
+        trainer = lp[len(p) - 1 : len(p) + 5]
+        assert torch.allclose(trainer, torch.tensor(res.logprobs[i]), atol=1e-4), (
+            i,
+            trainer,
+            res.logprobs[i],
+        )
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def vlm_recipe(tmp_path: Path, **trainer) -> Path:
+    """The shipped quickstart, pointing at the shipped data, shortened."""
+    recipe = yaml.safe_load((REPO / "recipes" / "vlm-quickstart.yaml").read_text())
+    for key in ("dataset", "eval_dataset"):
+        recipe[key]["args"]["path"] = str(COLOURS / Path(recipe[key]["args"]["path"]).name)
+    recipe["eval_dataset"]["args"]["limit"] = 24
+    recipe["trainer"].update(trainer)
+    path = tmp_path / "vlm.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_sft_and_grpo_with_images_resume_exactly(tmp_path, cli):
+    from safetensors.torch import load_file
+
+    from arealcli.runtime.run import checkpoint as ckpt
+
+    # 3 SFT steps, then GRPO; a checkpoint at step 4 (RL), crash during step 5, resume to 6
+    recipe = vlm_recipe(
+        tmp_path,
+        max_steps=6,
+        save_every_n_steps=2,
+        eval_every_n_steps=3,
+        eval_at_start=False,
+        samples_every_n_steps=100,
+    )
+    doc = yaml.safe_load(recipe.read_text())
+    doc["dataflow"]["sft_warmup_steps"] = 3
+    doc["dataset"]["batch_size"] = 8
+    recipe.write_text(yaml.safe_dump(doc))
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    result = cli("train", recipe, "-o", full)
+    assert result.exit_code == 0, result.output
+    train_until_crash(recipe, crashed, step=5)
+    assert ckpt.latest_checkpoint(crashed / "checkpoints").name == "step_00000004"
+    result = cli("train", recipe, "-o", crashed, "--resume")
+    assert result.exit_code == 0, result.output
+
+    def weights(run):
+        return load_file(str(run / "checkpoints" / ckpt.step_dir_name(6) / "actor" / "model.safetensors"))
+
+    a, b = weights(full), weights(crashed)
+    assert a.keys() == b.keys() and any(k.startswith("visual.") for k in a)  # the names other tools read
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def logged(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r.get("sft_warmup/loss"), r.get("actor_train/reward")) for r in rows}
+
+    assert logged(full) == logged(crashed)
+    assert logged(full)[6][1] is not None  # the last steps were GRPO steps
+
+
+@pytest.mark.slow
+def test_the_vlm_quickstart_learns_colours(tmp_path):
+    from tests.test_quickstart import eval_accuracy, train
+
+    run_dir = tmp_path / "run"
+    train("vlm-quickstart.yaml", run_dir, "trainer.samples_every_n_steps=1000")
+    acc = eval_accuracy(run_dir)
+    print(f"vlm-quickstart: held-out accuracy {acc}")
+    warm, final = acc[40], acc[max(acc)]
+    assert acc[0] < 0.3  # six colours: chance is 1/6, and the untrained model writes no colour at all
+    assert final >= 0.8 and final >= warm + 0.1, acc
