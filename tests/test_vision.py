@@ -118,7 +118,7 @@ def test_bad_image_rows_are_named_with_their_line(tok, tmp_path):
         dataset(path, tok)
     lines = str(e.value).splitlines()
     assert lines[0].startswith(f"{path}:1:") and "missing.png does not exist" in lines[0]
-    assert lines[1].startswith(f"{path}:2:") and "not a readable image" in lines[1]
+    assert lines[1].startswith(f"{path}:2:") and "not an image (BMP, GIF, JPEG, PNG" in lines[1]
     assert lines[2].startswith(f"{path}:3:") and "not valid base64" in lines[2]
     assert lines[3].startswith(f"{path}:4:") and "must be a path" in lines[3]
 
@@ -126,8 +126,49 @@ def test_bad_image_rows_are_named_with_their_line(tok, tmp_path):
         tmp_path / "marks.jsonl",
         [{"image": str(COLOURS / "images/test-0000.png"), "prompt": "<image><image>", "answer": "a"}],
     )
-    with pytest.raises(DataError, match="2 <image> marks for 1 images"):
+    with pytest.raises(DataError, match=r"'prompt' has 2 <image> mark\(s\) for 1 image\(s\)"):
         dataset(marks, tok)
+
+
+def test_check_reads_the_images_without_torch(tmp_path, cli):
+    """`areal check` opens every image of a local JSONL dataset: the training's errors, before it starts."""
+    (tmp_path / "images").mkdir()
+    shutil.copy(COLOURS / "images/test-0000.png", tmp_path / "images/ok.png")
+    (tmp_path / "images/junk.png").write_bytes(b"not a picture")
+    rows = [
+        {"image": "images/ok.png", "prompt": "<image>colour:", "answer": "red"},
+        {"image": "images/missing.png", "prompt": "<image>colour:", "answer": "red"},
+        {"image": "images/junk.png", "prompt": "colour:", "answer": "red"},
+        {"image": "images/ok.png", "prompt": "<image><image>colour:", "answer": "red"},
+    ]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    recipe = yaml.safe_load((REPO / "recipes" / "vlm-quickstart.yaml").read_text())
+    for key in ("dataset", "eval_dataset"):
+        recipe[key]["args"]["path"] = str(data)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    result = cli("check", path)
+    assert result.exit_code == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 3  # one file named twice is read once
+    assert f"{data}:2: 'image': image images/missing.png does not exist" in errors[0]
+    assert f"{data}:3: 'image': not an image" in errors[1]
+    assert f"{data}:4: 'prompt' has 2 <image> mark(s) for 1 image(s)" in errors[2]
+
+    recipe["models"]["actor"]["config"].update(family="qwen2", vision=None)
+    path.write_text(yaml.safe_dump(recipe))
+    result = cli("check", path)
+    assert result.exit_code == 2
+    assert f"{data}:1: 4 row(s) have images ('image') but no model of the run reads images" in result.stderr
+
+    for row in rows:
+        row.update(image="images/ok.png", prompt="<image>colour:")
+    write_jsonl(data, rows)
+    assert cli("check", path).exit_code == 2  # still a text-only model
+    recipe["models"]["actor"]["config"].update(family="qwen2_vl", vision={"depth": 1})
+    path.write_text(yaml.safe_dump(recipe))
+    result = cli("check", path)
+    assert result.exit_code == 0, result.output
 
 
 def test_images_need_a_model_that_reads_them(char_tok, tmp_path):

@@ -68,6 +68,19 @@ def config_is_vision(path: str | Path) -> bool:
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
+def vision_model(recipe, recipe_dir: Path) -> str | None:
+    """The first model of a recipe that reads images (a qwen2_vl config, or a vision-language folder,
+    local or in the Hugging Face cache), or None."""
+    from arealcli.schema.paths import locate
+
+    for name, m in recipe.models.items():
+        if m.config is not None and m.config.family == "qwen2_vl":
+            return name
+        if m.path and (found := locate(m.path, recipe_dir)) is not None and config_is_vision(found):
+            return name
+    return None
+
+
 # ---------------------------------------------------------------------- reading images
 
 
@@ -105,7 +118,9 @@ def open_image(value: Any, base_dir: Path):
         if image.format not in FORMATS:
             raise DataError(f"image format {image.format} is not supported ({', '.join(sorted(FORMATS))})")
         image.load()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as e:
+    except UnidentifiedImageError:
+        raise DataError(f"not an image ({', '.join(sorted(FORMATS))} are read)") from None
+    except (OSError, Image.DecompressionBombError) as e:
         raise DataError(f"not a readable image: {e}") from None
     return image.convert("RGB")
 
@@ -115,6 +130,30 @@ def images_in(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]
+
+
+NO_VISION_MODEL = (
+    "no model of the run reads images (a vision-language model: family qwen2_vl, or a Qwen2-VL folder)"
+)
+
+
+def image_problem(row: dict, key: str, text_key: str, base_dir: Path, reads_images: bool) -> str | None:
+    """Why a data row's images cannot be used, or None: an image that does not open, `IMAGE_MARK`s in the
+    prompt (`text_key`) that do not match the images, or any image at all when no model of the run reads
+    images. Shared by the datasets and `areal check`."""
+    images = images_in(row.get(key))
+    if images and not reads_images:
+        return f"the row has an image ({key!r}) but {NO_VISION_MODEL}"
+    text = row.get(text_key)
+    marks = text.count(IMAGE_MARK) if isinstance(text, str) else 0
+    if marks and marks != len(images):
+        return f"{text_key!r} has {marks} {IMAGE_MARK} mark(s) for {len(images)} image(s) in {key!r}"
+    for image in images:
+        try:
+            open_image(image, base_dir)
+        except DataError as e:
+            return f"{key!r}: {e}"
+    return None
 
 
 # ---------------------------------------------------------------------- encoding

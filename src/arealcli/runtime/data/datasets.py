@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,43 +16,11 @@ from arealcli.runtime.data.chat import (
     require_template,
     with_system,
 )
+from arealcli.runtime.data.jsonl import read_jsonl
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.schema.components.datasets import ChatArgs, PromptAnswerArgs
 
 MAX_REPORTED = 5  # bad rows named in one error
-
-
-def read_jsonl(path: Path) -> tuple[list[tuple[int, Any]], list[str]]:
-    """(line number, parsed value) of every non-blank line, and `file:line:col: problem` of every bad one.
-
-    UTF-8 only (a BOM is allowed); each line one JSON value.
-    """
-    if path.is_dir():
-        raise DataError(f"{path} is a directory; give the JSONL file inside it")
-    try:
-        raw_lines = path.read_bytes().splitlines()
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
-    rows, bad = [], []
-    for lineno, raw in enumerate(raw_lines, 1):
-        if lineno == 1:
-            raw = raw.removeprefix(b"\xef\xbb\xbf")
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            bad.append(
-                f"{path}:{lineno}:{e.start + 1}: not valid UTF-8 (byte 0x{raw[e.start]:02x}); save the file as UTF-8"
-            )
-            continue
-        if not line.strip():
-            continue
-        try:
-            rows.append((lineno, json.loads(line)))
-        except json.JSONDecodeError as e:
-            bad.append(f"{path}:{lineno}:{e.colno}: not valid JSON: {e.msg}")
-        except RecursionError:
-            bad.append(f"{path}:{lineno}: JSON nested too deeply")
-    return rows, bad
 
 
 def _raise_bad(bad: list[str]) -> None:
@@ -226,17 +193,9 @@ class PromptAnswerDataset:
             prompt = row[a.prompt_key]
             if text_value(prompt) is None or (isinstance(prompt, str) and not prompt):
                 return f"{a.prompt_key!r} must be a non-empty text, got {kind_of(prompt) if prompt != '' else 'an empty text'}"
-        images = vision.images_in(row.get(a.image_key))
-        if images and self.images is None:
-            return (
-                f"the row has an image ({a.image_key!r}) but no model of the run reads images (a "
-                "vision-language model: family qwen2_vl, or a Qwen2-VL folder)"
-            )
-        for image in images:
-            try:
-                vision.open_image(image, self.image_dir)
-            except DataError as e:
-                return f"{a.image_key!r}: {e}"
+        problem = vision.image_problem(row, a.image_key, prompt_key, self.image_dir, self.images is not None)
+        if problem:
+            return problem
         if a.episode_key is not None and row.get(a.episode_key) is not None:
             problem = (
                 _chat_episode_problem(row[a.episode_key], a.episode_key)

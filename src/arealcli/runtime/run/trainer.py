@@ -674,7 +674,7 @@ def recipe_tokenizer(recipe: Recipe, recipe_dir: Path) -> Any:
     spec = recipe.tokenizer
     if spec is not None and spec.path:  # relative to the recipe, or a Hub name
         spec = spec.model_copy(update={"path": resolve_path(spec.path, recipe_dir)})
-    seeing = vision_model(recipe, recipe_dir)
+    seeing = vision.vision_model(recipe, recipe_dir)
     tok = load_tokenizer(spec, first_path and resolve_path(first_path, recipe_dir), vision=seeing is not None)
     if seeing is None:
         return tok
@@ -685,18 +685,6 @@ def recipe_tokenizer(recipe: Recipe, recipe_dir: Path) -> Any:
     else:
         processor = vision.folder_image_processor(resolve_path(m.path or "", recipe_dir))
     return vision.with_images(tok, processor)
-
-
-def vision_model(recipe: Recipe, recipe_dir: Path) -> str | None:
-    """The first model of the recipe that reads images (a qwen2_vl config, or a vision-language folder)."""
-    from arealcli.runtime.vision import config_is_vision
-
-    for name, m in recipe.models.items():
-        if m.config is not None and m.config.family == "qwen2_vl":
-            return name
-        if m.path and config_is_vision(resolve_path(m.path, recipe_dir)):
-            return name
-    return None
 
 
 def resolved_spec(recipe: Recipe, recipe_dir: Path, name: str) -> ModelSpec:
