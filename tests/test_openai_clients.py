@@ -245,7 +245,9 @@ def test_what_may_be_streamed_yet():
     assert streamable("ab\ufffd", req()) == 2  # half a character
     tools = [{"type": "function", "function": {"name": "f"}}]
     chat = parse_chat_request(
-        {"messages": [{"role": "user", "content": "x"}], "tools": tools}, lambda m, t: [1], "<tool_call>"
+        {"messages": [{"role": "user", "content": "x"}], "tools": tools},
+        lambda m, t: ([1], None),
+        "<tool_call>",
     )
     assert streamable("Sure. <tool", chat) == 5  # a call may begin: it and the space before it wait
     assert streamable('Sure. <tool_call>{"name"', chat) == 5

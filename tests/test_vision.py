@@ -265,6 +265,121 @@ def test_generation_with_images_matches_the_training_forward(module, tok, tmp_pa
         )
 
 
+# --------------------------------------------------------------------------- serving
+
+
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def test_areal_serve_answers_chat_and_generate_with_images(module, tok, tmp_path):
+    """`areal serve` on a saved vision-language model: an OpenAI chat request with an image_url part (the
+    `openai` client) and /generate with image_data give the in-process model's greedy tokens and log-probs;
+    a weight update that changes only the vision tower changes what it answers as in process; images
+    come in the request only."""
+    import copy
+
+    from arealcli.runtime import vision
+    from arealcli.runtime.clients import launcher
+    from arealcli.runtime.generation.sampling import generate
+    from arealcli.schema.components.engine import GenerationHyperparameters
+    from tests.test_server import post, start_servers
+
+    openai = pytest.importorskip("openai")
+    served_tok = copy.deepcopy(tok)
+    served_tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prompt as is
+    model_dir = tmp_path / "model"
+    module.save_pretrained(model_dir)
+    vision.save_tokenizer(served_tok, model_dir)
+    assert (model_dir / "preprocessor_config.json").is_file()
+    picture = COLOURS / "images/test-0001.png"
+    encoder = vision.encoder_of(tok)
+    pixels, grids = encoder.encode([vision.open_image(str(picture), COLOURS)])
+    prompt = encoder.tokenize(tok, "<image>colour:", grids)
+    g = GenerationHyperparameters(max_new_tokens=6, min_new_tokens=6, greedy=True)
+
+    def own(m) -> tuple[list[int], list[float]]:
+        res = generate(m, [prompt], g, {tok.eos_token_id}, tok.pad_token_id, "cpu", images=[(pixels, grids)])
+        return res.output_ids[0], res.logprobs[0]
+
+    ids, lps = own(module)
+    servers = start_servers(model_dir, tmp_path / "logs")
+    try:
+        server = servers[0]
+        client = openai.OpenAI(base_url=f"http://{server.address}/v1", api_key="unused", max_retries=0)
+        content = [
+            {"type": "image_url", "image_url": {"url": data_url(picture)}},
+            {"type": "text", "text": "colour:"},
+        ]
+
+        def chat():
+            return client.chat.completions.create(
+                model=str(model_dir),
+                messages=[{"role": "user", "content": content}],
+                max_tokens=6,
+                temperature=0,
+                logprobs=True,
+                extra_body={"min_tokens": 6},
+            )
+
+        out = chat()
+        assert out.choices[0].message.content == tok.decode(ids, skip_special_tokens=True)
+        assert out.usage.prompt_tokens == len(prompt)
+        served_lps = [t.logprob for t in out.choices[0].logprobs.content]
+        assert max(abs(a - b) for a, b in zip(served_lps, lps, strict=True)) < 1e-4
+
+        bare = base64.b64encode(picture.read_bytes()).decode()
+        one_pad = tok.encode(vision.OWN_IMAGE_TEXT + "colour:", add_special_tokens=False)
+        for body in (
+            {"input_ids": one_pad, "image_data": bare},  # one <|image_pad|> per image, expanded
+            {"input_ids": prompt, "image_data": [data_url(picture)]},  # already expanded
+            {
+                "text": vision.OWN_IMAGE_TEXT + "colour:",
+                "image_data": bare,
+            },  # as Qwen2-VL's template writes it
+        ):
+            r = post(
+                server,
+                "/generate",
+                {
+                    **body,
+                    "sampling_params": {"max_new_tokens": 6, "min_new_tokens": 6, "temperature": 0},
+                    "return_logprob": True,
+                },
+            )
+            assert r.status_code == 200, r.text
+            got = r.json()["meta_info"]["output_token_logprobs"]
+            assert [t for _, t, _ in got] == ids
+            assert max(abs(a - b) for (a, _, _), b in zip(got, lps, strict=True)) < 1e-4
+
+        for image, why in (
+            ("https://example.com/a.png", "fetches no URLs"),
+            (str(picture), "fetches no URLs"),  # a path on the server's disk is not read either
+            (base64.b64encode(b"not a picture").decode(), "not an image"),
+        ):
+            r = post(server, "/generate", {"text": "<image>colour:", "image_data": image})
+            assert r.status_code == 400 and why in r.text, r.text
+        r = post(server, "/generate", {"text": "<image><image>colour:", "image_data": bare})
+        assert r.status_code == 400 and "2 <image> marks for 1 images" in r.text
+
+        # new weights that differ in the vision tower only: the server answers as the new model does
+        changed = copy.deepcopy(module)
+        with torch.no_grad():
+            for name, p in changed.named_parameters():
+                if "visual" in name:
+                    p.add_(torch.randn_like(p) * 0.5)
+        new_ids, new_lps = own(changed)
+        assert new_lps != lps
+        changed.save_pretrained(tmp_path / "new")
+        r = post(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "new")})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        out = chat()
+        served_lps = [t.logprob for t in out.choices[0].logprobs.content]
+        assert max(abs(a - b) for a, b in zip(served_lps, new_lps, strict=True)) < 1e-4
+    finally:
+        launcher.stop(servers)
+
+
 # --------------------------------------------------------------------------- runs
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import typer
 import yaml
@@ -17,6 +16,7 @@ from arealcli.commands.common import (
     recipe_argument,
     say_error,
 )
+from arealcli.runtime.data.images import image_problems
 from arealcli.schema.paths import path_problems
 
 
@@ -40,7 +40,7 @@ def check(
     errors = [
         f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems if not p.missing
     ]
-    errors += _image_problems(resolved, recipe.resolve().parent)
+    errors += image_problems(resolved, recipe.resolve().parent)
     if errors:
         raise fail(errors)
     if print_:
@@ -87,49 +87,3 @@ def _placement(resolved) -> list[str]:
     from arealcli.schema.plan import placement_lines
 
     return placement_lines(resolved)
-
-
-MAX_IMAGE_PROBLEMS = 20
-
-
-def _image_problems(resolved, recipe_dir: Path) -> list[str]:
-    """`file:line: problem` for each row of a local JSONL dataset whose images will not do: missing or
-    unreadable files, unsupported formats, marks that do not match, or any image when no model reads
-    images. Read without torch; rows the training would refuse for other reasons are left to it."""
-    from arealcli.errors import DataError
-    from arealcli.runtime import vision
-    from arealcli.runtime.data.jsonl import read_jsonl
-    from arealcli.schema.paths import resolve
-
-    reads_images = vision.vision_model(resolved, recipe_dir) is not None
-    out: list[str] = []
-    seen: set[Path] = set()
-    for key in ("dataset", "eval_dataset"):
-        spec = getattr(resolved, key)
-        args: Any = spec.args if spec is not None else None
-        if not hasattr(args, "image_key") or not str(args.path).endswith(".jsonl"):
-            continue
-        try:
-            path = resolve(args.path, recipe_dir)
-            rows, _ = read_jsonl(path) if path.is_file() and path not in seen else ([], [])
-        except (ValueError, DataError):
-            continue  # path_problems and the dataset itself name these
-        seen.add(path)
-        rows = [(line, row) for line, row in rows[: args.limit] if isinstance(row, dict)]
-        with_images = [line for line, row in rows if vision.images_in(row.get(args.image_key))]
-        if with_images and not reads_images:  # one error, not one per row
-            out.append(
-                f"{path}:{with_images[0]}: {len(with_images)} row(s) have images ({args.image_key!r}) but "
-                f"{vision.NO_VISION_MODEL}"
-            )
-            continue
-        text_key = args.messages_key or args.prompt_key
-        for line, row in rows:
-            problem = vision.image_problem(row, args.image_key, text_key, path.parent, reads_images)
-            if problem:
-                out.append(f"{path}:{line}: {problem}")
-    if len(out) > MAX_IMAGE_PROBLEMS:
-        out = out[:MAX_IMAGE_PROBLEMS] + [
-            f"... and {len(out) - MAX_IMAGE_PROBLEMS} more rows with image problems"
-        ]
-    return out

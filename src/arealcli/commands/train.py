@@ -17,6 +17,7 @@ from arealcli.commands.common import (
     voice,
 )
 from arealcli.errors import UserError
+from arealcli.runtime.data.images import image_problems
 from arealcli.runtime.run import supervise
 from arealcli.runtime.run.launch import LaunchSpec
 from arealcli.runtime.run.session import apply_permissions, restores_umask, run_dir_for
@@ -110,8 +111,10 @@ def train(
         raise fail([f"--launcher {launcher!r}: choose local, slurm or ray"])
     resolved, src = load_recipe(recipe, overrides or [])
     problems = path_problems(resolved, recipe.resolve().parent)
-    if problems:
-        raise fail([f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems])
+    errors = [f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems]
+    errors += image_problems(resolved, recipe.resolve().parent)
+    if errors:
+        raise fail(errors)
     run_dir = run_dir_for(resolved, output_dir)
     apply_permissions(resolved.trainer.permissions)  # before anything is written (workers inherit it)
     spec = LaunchSpec(nproc_per_node, nnodes or 1, node_rank, master_addr, master_port)

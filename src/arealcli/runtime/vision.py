@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,8 +37,13 @@ if TYPE_CHECKING:  # torch is imported where it is used: `areal check` reads ima
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 IMAGE_MARK = "<image>"  # where an image goes in a prompt's text (no mark: the images come first)
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+# how Qwen2-VL's own chat template writes one image: start, one pad, end
+OWN_IMAGE_TEXT = VISION_TOKENS[0] + VISION_TOKENS[2] + VISION_TOKENS[1]
 FORMATS = {"PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF", "PPM"}
 MAX_IMAGE_BYTES = 64 << 20
+# the most pixels an image may have before it is decoded (a small file can hold a huge image): 32 Mpx is
+# 5792 x 5792, far above what a vision-language model reads (its processor resizes to max_pixels)
+MAX_IMAGE_PIXELS = 1 << 25
 
 
 def text_config(config) -> Any:
@@ -68,17 +74,28 @@ def config_is_vision(path: str | Path) -> bool:
     return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
 
 
-def vision_model(recipe, recipe_dir: Path) -> str | None:
-    """The first model of a recipe that reads images (a qwen2_vl config, or a vision-language folder,
-    local or in the Hugging Face cache), or None."""
+def vision_models(recipe, recipe_dir: Path) -> list[str]:
+    """The models of a recipe that read images: a qwen2_vl config, a vision-language folder (local or in
+    the Hugging Face cache), or a copy or follower of one (`base_of`, `weights_from`)."""
     from arealcli.schema.paths import locate
 
-    for name, m in recipe.models.items():
+    def reads(name: str, seen: frozenset[str] = frozenset()) -> bool:
+        m = recipe.models[name]
         if m.config is not None and m.config.family == "qwen2_vl":
-            return name
+            return True
         if m.path and (found := locate(m.path, recipe_dir)) is not None and config_is_vision(found):
-            return name
-    return None
+            return True
+        source = m.weights_from or m.base_of or m.init_from
+        return source in recipe.models and source not in seen and reads(source, seen | {name})
+
+    return [name for name in recipe.models if reads(name)]
+
+
+def vision_model(recipe, recipe_dir: Path) -> str | None:
+    """The first model of a recipe that reads images and is built from its own config or folder (see
+    `vision_models`: its image processor is the run's), or None."""
+    own = [n for n in vision_models(recipe, recipe_dir) if recipe.models[n].config or recipe.models[n].path]
+    return next(iter(own), None)
 
 
 # ---------------------------------------------------------------------- reading images
@@ -117,12 +134,32 @@ def open_image(value: Any, base_dir: Path):
         image = Image.open(io.BytesIO(value))
         if image.format not in FORMATS:
             raise DataError(f"image format {image.format} is not supported ({', '.join(sorted(FORMATS))})")
+        if image.width * image.height > MAX_IMAGE_PIXELS:
+            raise DataError(
+                f"the image is {image.width} x {image.height} pixels: more than {MAX_IMAGE_PIXELS >> 20} Mpx"
+            )
         image.load()
     except UnidentifiedImageError:
         raise DataError(f"not an image ({', '.join(sorted(FORMATS))} are read)") from None
     except (OSError, Image.DecompressionBombError) as e:
         raise DataError(f"not a readable image: {e}") from None
     return image.convert("RGB")
+
+
+def sent_image(value: Any):
+    """An RGB PIL image sent in a request: a `data:image/...;base64,` URL or bare base64 bytes. Nothing
+    else: a server fetches no URL and reads no file for a client."""
+    if isinstance(value, str) and not value.startswith("data:"):
+        try:
+            value = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise DataError(
+                "an image in a request is a data: URL or base64 image bytes (this server fetches no URLs "
+                "and reads no files)"
+            ) from None
+    if not isinstance(value, str | bytes):
+        raise DataError(f"an image in a request is a data: URL or base64 text, got {type(value).__name__}")
+    return open_image(value, Path("."))
 
 
 def images_in(value: Any) -> list[Any]:
@@ -209,6 +246,34 @@ class ImageEncoder:
                 ids += self.tokens(grids[i])
         return ids
 
+    def prompt_ids(self, tokenizer, prompt: str | list[int], grids: torch.Tensor) -> list[int]:
+        """A request's prompt with its images' placeholders: text with `IMAGE_MARK`s or the model's own
+        `<|vision_start|><|image_pad|><|vision_end|>` per image (as Qwen2-VL's chat template writes
+        them), or token ids holding one `<|image_pad|>` per image (expanded to the image's tokens) or
+        already all of them."""
+        n = grids.shape[0]
+        if isinstance(prompt, str):
+            return self.tokenize(tokenizer, prompt.replace(OWN_IMAGE_TEXT, IMAGE_MARK), grids)
+        runs: list[tuple[int, int]] = []  # (start, length) of each run of image_token_id
+        for i, t in enumerate(prompt):
+            if t != self.image_token_id:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+        if len(runs) != n:
+            raise DataError(f"the prompt has {len(runs)} runs of image tokens for {n} images")
+        out: list[int] = []
+        at = 0
+        for (start, length), grid in zip(runs, grids, strict=True):
+            want = int(grid.prod()) // self.merge_size**2
+            if length not in (1, want):
+                raise DataError(f"an image of {want} tokens has {length} placeholder tokens in the prompt")
+            out += prompt[at:start] + [self.image_token_id] * want
+            at = start + length
+        return out + prompt[at:]
+
 
 IMAGE_ENCODER = "arealcli_images"  # the attribute of a run's tokenizer that holds its ImageEncoder
 
@@ -228,6 +293,15 @@ def with_images(tokenizer, processor) -> Any:
     start, end, pad = ids
     setattr(tokenizer, IMAGE_ENCODER, ImageEncoder(processor, pad, start, end))
     return tokenizer
+
+
+def save_tokenizer(tokenizer, save_dir: str | Path) -> None:
+    """`tokenizer.save_pretrained(save_dir)`, and the image processor of a run that reads images
+    (preprocessor_config.json): a saved vision-language model folder reads images on its own."""
+    tokenizer.save_pretrained(str(save_dir))
+    encoder = encoder_of(tokenizer)
+    if encoder is not None:
+        encoder.processor.save_pretrained(str(save_dir))
 
 
 def small_image_processor(patch_size: int = 14, merge_size: int = 2, max_pixels: int = 224 * 224):
@@ -317,18 +391,18 @@ def per_sample_images(mb) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
 
 
 def joined(
-    images: list[tuple[torch.Tensor, torch.Tensor]], order: list[int], device
+    images: Sequence[tuple[torch.Tensor, torch.Tensor] | None], order: list[int], device
 ) -> dict[str, torch.Tensor]:
-    """The forward keywords of the images of samples `order` (their tokens in that order): pixel_values
-    and image_grid_thw concatenated; nothing when none has an image."""
+    """The forward keywords of the images of samples `order` (their tokens in that order; None: a sample
+    without images): pixel_values and image_grid_thw concatenated; nothing when none has an image."""
     import torch
 
-    grids = [images[i][1] for i in order]
-    if not any(g.shape[0] for g in grids):
+    held = [x for x in (images[i] for i in order) if x is not None and x[1].shape[0]]
+    if not held:
         return {}
     return {
-        "pixel_values": torch.cat([images[i][0] for i in order]).to(device),
-        "image_grid_thw": torch.cat(grids).to(device),
+        "pixel_values": torch.cat([x[0] for x in held]).to(device),
+        "image_grid_thw": torch.cat([x[1] for x in held]).to(device),
     }
 
 
@@ -336,7 +410,7 @@ def prompt_inputs(
     module,
     ids: torch.Tensor,
     attn: torch.Tensor,
-    images: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    images: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None,
     device,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """For a left-padded prompt batch ids (B, P) with mask `attn`: the prefill's image keywords, and the

@@ -266,15 +266,15 @@ for _name, _doc, _free in [
 TRAINING = frozenset({"train", "forward", "generate"})
 GENERATION = frozenset({"generate", "update_weights"})
 _BACKENDS: list[tuple[str, str, type[BaseModel], frozenset[str]]] = [
-    ("hf", "backends.hf:HFBackend", HFBackendArgs, TRAINING | {"update_weights"}),
-    ("fsdp", "backends.fsdp:FSDPBackend", FSDPBackendArgs, TRAINING),
+    ("hf", "backends.hf:HFBackend", HFBackendArgs, TRAINING | {"update_weights", "images"}),
+    ("fsdp", "backends.fsdp:FSDPBackend", FSDPBackendArgs, TRAINING | {"images"}),
     (
         "megatron",
         "backends.megatron.backend:MegatronBackend",
         MegatronBackendArgs,
         TRAINING | {"update_weights"},
     ),
-    ("local", "backends.local:LocalBackend", LocalBackendArgs, GENERATION),
+    ("local", "backends.local:LocalBackend", LocalBackendArgs, GENERATION | {"images"}),
     ("sglang", "backends.sglang:SGLangBackend", SGLangBackendArgs, GENERATION),
     ("vllm", "backends.vllm:VLLMBackend", VLLMBackendArgs, GENERATION),
 ]

@@ -23,7 +23,10 @@ from arealcli.schema.base import NoArgs
 
 CALL_TYPES = ("generate", "inference", "train_step")
 # What a backend's engine can do; a call type needs one of them, `weights_from` needs update_weights.
-BACKEND_CAPABILITIES = ("train", "forward", "generate", "update_weights")
+# "images": it gives a vision-language model its images (training and generating); a backend that does
+# not say so is text only
+BACKEND_CAPABILITIES = ("train", "forward", "generate", "update_weights", "images")
+TEXT_CAPABILITIES = frozenset(BACKEND_CAPABILITIES) - {"images"}
 NEEDED_CAPABILITY = {"train_step": "train", "inference": "forward", "generate": "generate"}
 
 
@@ -48,7 +51,7 @@ class Entry:
     # Datasets only: the data keys every batch provides (tensor keys and meta keys).
     data_keys: frozenset[str] = field(default_factory=frozenset)
     # Backends only: what their engine can do (BACKEND_CAPABILITIES).
-    capabilities: frozenset[str] = frozenset(BACKEND_CAPABILITIES)
+    capabilities: frozenset[str] = TEXT_CAPABILITIES
     # Interfaces only: what the checks, the batch plan and the progress line need to know of them.
     value_head: bool = False  # its model is a critic: it must have a value head
     trained_head: bool = False  # and that head must come trained (a reward model's checkpoint: `path`)
@@ -257,7 +260,7 @@ def register_interface(
 def register_backend(name: str, cls: type) -> type:
     """Register a ModelBackend subclass; its `Args` validates recipe args, its `capabilities` say which
     calls its models can run."""
-    caps = frozenset(getattr(cls, "capabilities", BACKEND_CAPABILITIES))
+    caps = frozenset(getattr(cls, "capabilities", TEXT_CAPABILITIES))
     unknown = sorted(caps - set(BACKEND_CAPABILITIES))
     if unknown:
         raise RegistryError(

@@ -13,18 +13,19 @@ from typing import Any
 
 from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.models.model import FinetuneSpec, Model
-from arealcli.schema.registry import BACKEND_CAPABILITIES
+from arealcli.schema.registry import TEXT_CAPABILITIES
 
 
 class ModelBackend:
     """Turns `model.module` into an engine. Subclasses define `Args`, `capabilities` and `_initialize`.
 
     capabilities: "train" (train_step calls), "forward" (inference calls: log-probs, values),
-    "generate" (generate calls), "update_weights" (`weights_from`: follow a trained model).
+    "generate" (generate calls), "update_weights" (`weights_from`: follow a trained model), "images"
+    (a vision-language model gets its images: training and generating).
     """
 
     Args: type = type(None)
-    capabilities: frozenset[str] = frozenset(BACKEND_CAPABILITIES)
+    capabilities: frozenset[str] = TEXT_CAPABILITIES
     # True: `_initialize` takes the torch module, when it needs one, from `model.initial_module()` (built
     # from `model.source` on demand; `model.module` is None unless another model is initialized from this
     # one, which needs it built anyway), so the trainer builds none for a server-backed model.

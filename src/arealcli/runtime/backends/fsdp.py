@@ -48,6 +48,7 @@ from arealcli.runtime.models.lora import (
 )
 from arealcli.runtime.models.model import DTYPES, FinetuneSpec, Model
 from arealcli.runtime.optim import begin_step, build_optimizer, require_optimizer
+from arealcli.runtime.vision import save_tokenizer
 from arealcli.schema.components.backends import FSDPBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, OptimizerConfig
 
@@ -200,7 +201,7 @@ class FSDPEngine(TrainEngine):
                 state, module = merged_state(state, scaling(self.module)), self.module.get_base_model()
             write_hf_checkpoint(module, self.architecture, state, save_dir)
             if tokenizer is not None:
-                tokenizer.save_pretrained(save_dir)
+                save_tokenizer(tokenizer, save_dir)
 
     # ------------------------------------------------------------------ state
 
@@ -241,6 +242,7 @@ class FSDPBackend(ModelBackend):
     """PyTorch FSDP2 (`fully_shard`): weights, gradients and optimizer state sharded over the ranks."""
 
     Args = FSDPBackendArgs
+    capabilities = frozenset({"train", "forward", "generate", "images"})
 
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         from torch.distributed.device_mesh import init_device_mesh

@@ -25,8 +25,10 @@ from arealcli.runtime.models.lora import save_base as save_lora_base
 from arealcli.runtime.models.model import DTYPES, FinetuneSpec, Model
 from arealcli.runtime.models.weights import load_plain
 from arealcli.runtime.optim import begin_step, build_optimizer, require_optimizer
+from arealcli.runtime.vision import save_tokenizer
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import GenerationHyperparameters, OptimizerConfig
+from arealcli.schema.registry import TEXT_CAPABILITIES
 
 
 def run_packed(module, mb: SequenceSample, device, layout: str | None = None) -> torch.Tensor | LMOutput:
@@ -205,7 +207,7 @@ class HFEngine(TrainEngine):
         else:
             self.module.save_pretrained(save_dir, safe_serialization=True)
         if tokenizer is not None:
-            tokenizer.save_pretrained(save_dir)
+            save_tokenizer(tokenizer, save_dir)
 
     def save_base(self, save_dir: str) -> None:
         """LoRA: the base weights the adapters apply to (for servers that take adapter-only updates)."""
@@ -257,6 +259,7 @@ class HFBackend(ModelBackend):
     """The embedded transformers backend: one process, CPU or one GPU."""
 
     Args = HFBackendArgs
+    capabilities = TEXT_CAPABILITIES | {"images"}
 
     def _initialize(self, model: Model, spec: FinetuneSpec) -> Model:
         a: HFBackendArgs = self.args

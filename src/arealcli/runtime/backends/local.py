@@ -25,6 +25,7 @@ import torch
 from arealcli.errors import UserError
 from arealcli.runtime.backends.base import ModelBackend
 from arealcli.runtime.engines.inference import (
+    IMAGES_PARAM,
     EventLoopThread,
     GenerationServerError,
     GroupGenerator,
@@ -99,6 +100,8 @@ def _base_layer_name(name: str) -> str:
 class LocalGenerator(GroupGenerator):
     """Requests go straight to the batching loop (no HTTP); several groups' first requests together."""
 
+    reads_images = True
+
     def __init__(self, runner: ModelRunner, scheduler: Scheduler):
         self.runner, self.scheduler = runner, scheduler
 
@@ -111,6 +114,8 @@ class LocalGenerator(GroupGenerator):
     ) -> list[list[Completion]]:
         per_group: list[list[Sequence]] = []
         for prompt, params, n in groups:
+            images = params.get(IMAGES_PARAM)
+            params = {k: v for k, v in params.items() if k != IMAGES_PARAM}
             try:
                 sampling = parse_sampling({**params, "n": n})
             except ProtocolError as e:
@@ -122,7 +127,9 @@ class LocalGenerator(GroupGenerator):
                     f"({self.runner.context_length} tokens)"
                 )
             max_new = min(sampling.max_new_tokens, room)
-            per_group.append([Sequence(str(j), list(prompt), sampling, max_new) for j in range(n)])
+            per_group.append(
+                [Sequence(str(j), list(prompt), sampling, max_new, images=images) for j in range(n)]
+            )
         loop = asyncio.get_running_loop()
         waits = []
         for s in (s for group in per_group for s in group):
@@ -187,7 +194,7 @@ class LocalBackend(ModelBackend):
     """Generation in this process on a thread of its own, following another model's weights."""
 
     Args = LocalBackendArgs
-    capabilities = frozenset({"generate", "update_weights"})
+    capabilities = frozenset({"generate", "update_weights", "images"})
     weights_in_memory = True
     applies_adapters = True
 

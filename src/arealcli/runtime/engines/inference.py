@@ -30,9 +30,12 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.base import Engine
 from arealcli.runtime.generation.sampling import GenerationResult, stop_texts_of
+from arealcli.runtime.vision import per_sample_images
 from arealcli.runtime.wire.sglang import Completion, sampling_params
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 
@@ -57,6 +60,10 @@ class Sample:
         return (min(known), max(known)) if known else (None, None)
 
 
+# the sampling params' key under which a prompt's images go to a generator that reads them (not sent on)
+IMAGES_PARAM = "_images"
+
+
 class GroupGenerator:
     """One request per prompt group; samples aborted by a weight update are continued until they finish.
 
@@ -65,6 +72,8 @@ class GroupGenerator:
     """
 
     max_abort_resends: int = 8
+    # it takes a prompt's images (params[IMAGES_PARAM]: (pixel_values, image_grid_thw)) with its ids
+    reads_images: bool = False
 
     async def request(self, prompt: list[int], params: dict[str, Any], n: int) -> list[Completion]:
         raise NotImplementedError
@@ -198,11 +207,17 @@ class EventLoopThread:
             self.loop.close()
 
 
-def prompt_groups(prompts: list[list[int]]) -> list[tuple[int, int]]:
-    """(start, size) of runs of identical consecutive prompts: one request with n = size each."""
+def prompt_groups(prompts: list[list[int]], images: list | None = None) -> list[tuple[int, int]]:
+    """(start, size) of runs of identical consecutive prompts (and images): one request with n = size each."""
     groups: list[tuple[int, int]] = []
-    for i, p in enumerate(prompts):
-        if groups and prompts[groups[-1][0]] == p:
+
+    def same(a: int, b: int) -> bool:
+        if prompts[a] != prompts[b]:
+            return False
+        return images is None or all(torch.equal(x, y) for x, y in zip(images[a], images[b], strict=True))
+
+    for i in range(len(prompts)):
+        if groups and same(groups[-1][0], i):
             groups[-1] = (groups[-1][0], groups[-1][1] + 1)
         else:
             groups.append((i, 1))
@@ -257,7 +272,16 @@ class InferenceEngine(Engine):
         prompts = [t.tolist() for t in input_.unpack("packed_prompts")]
         eos = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
         params = sampling_params(gconfig, sorted(eos), n=1)
-        groups = [(prompts[start], params, n) for start, n in prompt_groups(prompts)]
+        images = per_sample_images(input_)
+        if images is not None and not self.generator.reads_images:
+            raise GenerationServerError(
+                f"model {self.name!r} generates on a server that is sent token ids only; prompts with images "
+                "generate in the trainer's own backend (hf, fsdp) or on `local`"
+            )
+        groups = [
+            (prompts[start], params if images is None else {**params, IMAGES_PARAM: images[start]}, n)
+            for start, n in prompt_groups(prompts, images)
+        ]
         samples = [s for group in self.loop.run(self._groups(groups)) for s in group]
         first, last = zip(*(s.versions() for s in samples), strict=True) if samples else ((), ())
         result = GenerationResult(

@@ -12,14 +12,17 @@ from pathlib import Path
 
 import torch
 
+from arealcli.runtime import vision
 from arealcli.runtime.generation import decoder as lean_decoder
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.generation.adapters import ADAPTER_CONFIG, Adapter, AdapterError, ServedAdapters
 from arealcli.runtime.models.lora import apply_adapter_update, lora_scale
-from arealcli.runtime.models.model import DTYPES
+from arealcli.runtime.models.model import DTYPES, auto_class
 from arealcli.runtime.models.value_head import is_classifier_dir
-from arealcli.runtime.models.weights import load_state
+from arealcli.runtime.models.weights import load_state, own_names
 from arealcli.runtime.wire.sglang import Sampling
+
+Images = tuple[torch.Tensor, torch.Tensor]  # one prompt's (pixel_values, image_grid_thw)
 
 
 @dataclass
@@ -34,7 +37,7 @@ class ModelRunner:
     _lora_base: tuple[str, dict[str, torch.Tensor]] | None = None
 
     def __init__(self, model_path: str, device: str = "auto", dtype: str = "float32"):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -52,8 +55,11 @@ class ModelRunner:
         )
         self.dtype = DTYPES[dtype]
         config = AutoConfig.from_pretrained(model_path)
-        module = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        self._attach(module, config, self._load_tokenizer(model_path))
+        module = auto_class(config).from_pretrained(model_path, dtype=self.dtype)
+        tokenizer = self._load_tokenizer(model_path)
+        if tokenizer is not None and vision.config_is_vision(model_path):  # reads images: its processor
+            tokenizer = vision.with_images(tokenizer, vision.folder_image_processor(model_path))
+        self._attach(module, config, tokenizer)
 
     @classmethod
     def in_memory(
@@ -73,6 +79,9 @@ class ModelRunner:
         self.module = module.to(self.device).eval()
         self.adapters = ServedAdapters(self.module)  # LoRA adapters requests pick by name (`load_adapter`)
         self.tokenizer = tokenizer
+        # a vision-language model's image encoder (runtime/vision.py), None for a text model
+        self.images = vision.encoder_of(tokenizer) if tokenizer is not None else None
+        self.placeholders = vision.placeholder_ids(self.module) if vision.is_vision(self.module) else []
         self.vocab_size = self.module.get_input_embeddings().num_embeddings
         self.context_length = int(getattr(config, "max_position_embeddings", 1 << 20))
         self.model_type = getattr(config, "model_type", None)
@@ -120,7 +129,7 @@ class ModelRunner:
     def row_decoder(self) -> lean_decoder.RowDecoder | None:
         """A KV cache for continuous batching, or None when the module has no lean decoder (then batches
         run whole, through `generate`)."""
-        if not lean_decoder.supports(self.module):
+        if not lean_decoder.supports(self.module) or self.placeholders:
             return None
         dtype = next(self.module.parameters()).dtype
         if self.dtype != torch.float32 and self.device.type == "cuda":
@@ -135,9 +144,11 @@ class ModelRunner:
         max_new_tokens: int,
         should_abort: Callable[[], bool],
         adapter: str | None = None,
+        images: list[Images] | None = None,
     ) -> list[RowResult]:
         """Sample up to `max_new_tokens` for every prompt with the same params (and the same adapter, or
-        the base); stops early on abort."""
+        the base); stops early on abort. `images`: each prompt's (pixel_values, image_grid_thw), whose
+        placeholder tokens it holds (a vision-language model)."""
         eos = set() if sampling.ignore_eos else self.eos_ids
         g = sampling.hyperparameters(max_new_tokens)
         texts = None
@@ -157,6 +168,7 @@ class ModelRunner:
                 self.device,
                 should_abort=should_abort,
                 stop_texts=texts,
+                images=images,
             )
         stop = self.stop_ids(sampling)
 
@@ -174,27 +186,39 @@ class ModelRunner:
 
     @torch.no_grad()
     def score(
-        self, rows: list[tuple[list[int], int]], top_n: int = 0, g=None, adapter: str | None = None
+        self,
+        rows: list[tuple[list[int], int]],
+        top_n: int = 0,
+        g=None,
+        adapter: str | None = None,
+        images: list[Images | None] | None = None,
     ) -> list[tuple[list[float], list[list[tuple[int, float]]]]]:
         """For each (ids, start), start >= 1: the log-prob of ids[p] after ids[:p] for p = start ..
         len(ids) - 1, and (top_n > 0) the top_n most likely tokens there as (token, log-prob), best first.
         One forward pass over ids (no cache; rows right-padded into batches of a bounded size), the
         log-softmax in fp32: the model's own distribution, or with `g` (GenerationHyperparameters) the one
-        sampling draws from (temperature, top-k, top-p)."""
+        sampling draws from (temperature, top-k, top-p). A row with `images` is scored alone, with them;
+        a vision-language model's image placeholders are never a next token (as in generation)."""
         budget = max(1024, (1 << 29) // max(1, self.vocab_size))  # tokens per forward: bounds the logits
         out: list[tuple[list[float], list[list[tuple[int, float]]]]] = []
         at = 0
         while at < len(rows):
             end, longest = at + 1, len(rows[at][0])
-            while end < len(rows) and max(longest, len(rows[end][0])) * (end - at + 1) <= budget:
+            alone = images is not None and images[at] is not None
+            while (
+                not alone
+                and end < len(rows)
+                and (images is None or images[end] is None)
+                and max(longest, len(rows[end][0])) * (end - at + 1) <= budget
+            ):
                 longest = max(longest, len(rows[end][0]))
                 end += 1
             with self.adapters.use([adapter] * (end - at)):
-                out += self._score_batch(rows[at:end], top_n, g)
+                out += self._score_batch(rows[at:end], top_n, g, images[at] if alone and images else None)
             at = end
         return out
 
-    def _score_batch(self, rows: list[tuple[list[int], int]], top_n: int, g) -> list:
+    def _score_batch(self, rows: list[tuple[list[int], int]], top_n: int, g, image: Images | None) -> list:
         L = max(len(ids) for ids, _ in rows)
         batch = torch.full((len(rows), L), self.pad_id, dtype=torch.long, device=self.device)
         mask = torch.zeros(len(rows), L, dtype=torch.long, device=self.device)
@@ -204,10 +228,18 @@ class ModelRunner:
             batch[b, : len(ids)] = torch.tensor(ids, device=self.device)
             mask[b, : len(ids)] = 1
         padded = any(len(ids) < L for ids, _ in rows)  # right padding: real tokens see only real ones
+        seeing = {}
+        if image is not None:  # one row: its pixels, and positions from its image grid
+            seeing = vision.joined([image], [0], self.device)
+            seeing["position_ids"] = vision.positions(self.module, batch[0], seeing.get("image_grid_thw"))[
+                :, None
+            ]
         with self.autocast():
             logits = self.module(
-                input_ids=batch, attention_mask=mask if padded else None, use_cache=False
+                input_ids=batch, attention_mask=mask if padded else None, use_cache=False, **seeing
             ).logits
+        if self.placeholders:
+            logits[..., self.placeholders] = vision.EXCLUDED_LOGIT
         results = []
         for b, (ids, start) in enumerate(rows):
             lps: list[float] = []
@@ -239,6 +271,7 @@ class ModelRunner:
         if adapter is not None:
             self._apply_adapters(path, state, lora_scale(adapter), root)
             return
+        state = own_names(self.module, state)  # a vision-language model's saved names
         self._check_fits(path, state)
         load_state(self.module, state, f"weights {path}")
         self.model_path = str(path)

@@ -8,7 +8,7 @@ Returns, per sample, the generated ids, the log-prob of each under the sampling 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -163,7 +163,7 @@ def generate(
     device,
     should_abort: Callable[[], bool] | None = None,
     stop_texts: StopTexts | None = None,
-    images: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    images: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> GenerationResult:
     """`should_abort()` is polled before every decode step; when it returns True the samples stop where
     they are (a server aborting requests for a weight update). A sample also ends at the token that

@@ -159,14 +159,16 @@ class Scheduler:
         s.fail(str(UnknownAdapter(s.adapter)))
         return True
 
-    def score(self, rows: list[tuple[list[int], int]], top_n: int, g=None, adapter: str | None = None):
-        """`runner.score(rows, top_n, g, adapter)` (prompt log-probs: one forward pass, no cache), run by
+    def score(
+        self, rows: list[tuple[list[int], int]], top_n: int, g=None, adapter: str | None = None, images=None
+    ):
+        """`runner.score(rows, top_n, g, adapter, images)` (prompt log-probs: one forward pass, no cache), run by
         the calling thread with no weight update in between (it holds their lock); and the weight version
         it used."""
         with self._update_lock:
             if adapter is not None and adapter not in self.runner.adapters:
                 raise UnknownAdapter(adapter)
-            return self.runner.score(rows, top_n, g, adapter), self.version(adapter)
+            return self.runner.score(rows, top_n, g, adapter, images), self.version(adapter)
 
     @property
     def updates_waiting(self) -> int:
@@ -401,7 +403,8 @@ class Scheduler:
                 self.stats["max_running"] = max(self.stats["max_running"], len(todo))
                 self.stats["forwards"] += 1  # the prefill
                 try:
-                    rows = self.runner.generate([s.prompt for s in todo], key, max_new, step, adapter)
+                    images = [s.images for s in todo] if any(s.images is not None for s in todo) else None
+                    rows = self.runner.generate([s.prompt for s in todo], key, max_new, step, adapter, images)
                 except Exception as e:  # these params fail: their samples only, the other groups go on
                     logger.warning("sampling failed for %d samples: %s: %s", len(todo), type(e).__name__, e)
                     for s in todo:

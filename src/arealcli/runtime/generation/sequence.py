@@ -30,6 +30,7 @@ class Sequence:
     top: list[list[tuple[int, float]]] = field(default_factory=list)  # (token, log-prob), best first
     cancelled: bool = False  # set by Scheduler.abort: the sample ends at the next step
     adapter: str | None = None  # the served LoRA adapter it is generated with (None: the base weights)
+    images: Any = None  # (pixel_values, image_grid_thw) of the images whose placeholders `prompt` holds
 
     @property
     def finished_as(self) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from arealcli.runtime.vision import save_tokenizer
+
 # torch's `weights_only` loader could be talked into constructing objects before 2.6 and had a
 # memory-corruption path before 2.10: below this version no checkpoint state is loaded at all.
 SAFE_LOADER_TORCH = (2, 10)
@@ -100,7 +102,7 @@ def export_hf(module, tokenizer, directory: Path) -> None:
     tmp.mkdir(parents=True)
     module.save_pretrained(str(tmp), safe_serialization=True)
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
+        save_tokenizer(tokenizer, tmp)
     os.replace(tmp, directory)
 
 

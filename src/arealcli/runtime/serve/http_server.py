@@ -60,6 +60,8 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
+from arealcli.errors import DataError
+from arealcli.runtime import vision
 from arealcli.runtime.generation.adapters import AdapterError
 from arealcli.runtime.generation.model_runner import ModelRunner, WeightsRefused
 from arealcli.runtime.generation.sampling import StopTexts
@@ -165,9 +167,20 @@ class GenerationService:
         for a in {a for a in adapters if a is not None}:
             if a not in r.adapters:
                 raise ProtocolError(str(UnknownAdapter(a)))
-        for prompt, sampling, rid, adapter in zip(req.prompts, req.sampling, req.rids, adapters, strict=True):
+        images = req.images or [[] for _ in req.prompts]
+        if any(images) and r.images is None:
+            raise ProtocolError("image_data: the served model does not read images")
+        for prompt, sampling, rid, adapter, sent in zip(
+            req.prompts, req.sampling, req.rids, adapters, images, strict=True
+        ):
             self._check_ids(sampling, "sampling_params.stop_token_ids")
-            ids = prompt if isinstance(prompt, list) else await self._encode(prompt, "text")
+            seen = None
+            if sent:
+                if isinstance(prompt, str):
+                    self.check_text(len(prompt), "text")
+                ids, seen = await self._off_loop(self._with_images, prompt, sent, "image_data")
+            else:
+                ids = prompt if isinstance(prompt, list) else await self._encode(prompt, "text")
             if not ids:
                 raise ProtocolError("a prompt encodes to no tokens; give at least one")
             if sampling.stop and r.tokenizer is None:
@@ -183,7 +196,9 @@ class GenerationService:
                 raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
             max_new = min(sampling.max_new_tokens, r.context_length - len(ids))
             rids = [rid] if sampling.n == 1 else [f"{rid}-{j}" for j in range(sampling.n)]
-            per_prompt.append([Sequence(x, ids, sampling, max_new, adapter=adapter) for x in rids])
+            per_prompt.append(
+                [Sequence(x, ids, sampling, max_new, adapter=adapter, images=seen) for x in rids]
+            )
         seqs = [s for group in per_prompt for s in group]
         errors = await self._run(seqs)
         if errors:
@@ -251,8 +266,22 @@ class GenerationService:
             raise ProtocolError(f"token id {max(ids)} is out of the vocabulary (size {r.vocab_size})")
         return ids
 
-    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """The chat's prompt tokens (run in the tokenizer's thread); texts that cannot fit are refused first."""
+    def _with_images(self, prompt: str | list[int], sent: list[str], field: str) -> tuple[list[int], Any]:
+        """A prompt's token ids with its images' placeholders, and the images as the model reads them
+        ((pixel_values, image_grid_thw)); run in the tokenizer's thread. Images come in the request
+        only (data: URLs, base64): nothing is fetched or read from disk."""
+        encoder = self.runner.images
+        assert encoder is not None
+        try:
+            pixels, grids = encoder.encode([vision.sent_image(x) for x in sent])
+            return encoder.prompt_ids(self.runner.tokenizer, prompt, grids), (pixels, grids)
+        except DataError as e:
+            raise ProtocolError(f"{field}: {e}") from None
+
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], Any]:
+        """The chat's prompt tokens and its images (run in the tokenizer's thread); texts that cannot fit
+        are refused first."""
+        sent = [url for m in messages for url in m.pop("images", [])]
         chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self.check_text(chars, "messages")
         tok = self.runner.tokenizer
@@ -266,7 +295,10 @@ class GenerationService:
             )
         except Exception as e:  # the template's own checks (roles, order) raise
             raise ProtocolError(f"the chat template cannot render these messages: {e}") from None
-        return self._checked_prompt(tok.encode(rendered, add_special_tokens=False))
+        if sent:
+            ids, seen = self._with_images(rendered, sent, "messages")
+            return self._checked_prompt(ids), seen
+        return self._checked_prompt(tok.encode(rendered, add_special_tokens=False)), None
 
     async def _openai(self, req: OpenAIRequest) -> tuple[int, Any]:
         """Every prompt's n choices, whole or streamed (`EventStream`); every sample runs as its own task
@@ -283,8 +315,8 @@ class GenerationService:
         room = 0 if req.sampling.max_new_tokens == 0 else 1  # echo with max_tokens 0: only scored
         prompts = [await self._prompt_ids(p, room) for p in req.prompts]
         samples = [
-            _Sample(ids, min(req.sampling.max_new_tokens, r.context_length - len(ids)))
-            for ids in prompts
+            _Sample(ids, min(req.sampling.max_new_tokens, r.context_length - len(ids)), seen)
+            for ids, seen in zip(prompts, req.images or [None] * len(prompts), strict=True)
             for _ in range(req.sampling.n)
         ]
         echoes = [
@@ -339,6 +371,7 @@ class GenerationService:
                 left,
                 top_n=req.top_logprobs,
                 adapter=req.adapter,
+                images=s.images,
             )
             s.seq = seq
             errors = await self._run([seq])
@@ -354,6 +387,7 @@ class GenerationService:
                     req.top_logprobs,
                     seq.sampling.hyperparameters(len(ids)),
                     req.adapter,
+                    [seq.images],
                 )
                 tops = scored[1]
             s.out, s.lps, s.tops = s.out + ids, s.lps + seq.logprobs[: len(ids)], s.tops + tops
@@ -541,7 +575,10 @@ class GenerationService:
     async def chat_completions(self, body: Any) -> tuple[int, Any]:
         tok = self.runner.tokenizer
         template = getattr(tok, "chat_template", None) if tok is not None else None
-        return await self._openai(await self._off_loop(parse_chat_request, body, self._render_chat, template))
+        mark = vision.IMAGE_MARK if self.runner.images is not None else None
+        return await self._openai(
+            await self._off_loop(parse_chat_request, body, self._render_chat, template, mark)
+        )
 
     def _model_name(self, req: OpenAIRequest) -> str:
         return req.adapter if req.adapter is not None else self.served_model_name
@@ -651,7 +688,7 @@ class GenerationService:
             "reasoning_parser": None,
             "tool_call_parser": None,
             "disaggregation_mode": "null",
-            "has_image_understanding": False,
+            "has_image_understanding": self.runner.images is not None,
             "has_audio_understanding": False,
             "model_type": self.runner.model_type,
             "architectures": self.runner.architectures,
@@ -684,6 +721,7 @@ class _Sample:
 
     prompt: list[int]
     max_new: int
+    images: Any = None  # the prompt's images (pixel_values, image_grid_thw), as the model reads them
     out: list[int] = dataclasses.field(default_factory=list)
     lps: list[float] = dataclasses.field(default_factory=list)
     tops: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)

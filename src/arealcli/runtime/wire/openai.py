@@ -134,6 +134,7 @@ class OpenAIRequest:
     include_usage: bool = False  # stream_options.include_usage
     model: str | None = None  # `model`: a served LoRA adapter's name picks it (else the base model)
     adapter: str | None = None  # the adapter `model` named, once the server resolved it
+    images: list[Any] | None = None  # per prompt, its images as the server encoded them (or None)
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -340,26 +341,44 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def chat_message(message: Any, i: int) -> dict[str, Any]:
+def chat_message(message: Any, i: int, image_mark: str | None = None) -> dict[str, Any]:
     """One OpenAI message as chat templates take it: text content (text parts joined), an assistant's
-    `tool_calls` with their arguments as objects, a tool message's `tool_call_id` and `name`."""
+    `tool_calls` with their arguments as objects, a tool message's `tool_call_id` and `name`. With
+    `image_mark` (a model that reads images), `image_url` parts become that mark in the text, their URLs
+    listed in order under `images`; without it they are refused."""
     message = _as_dict(message)
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ProtocolError(f"messages[{i}] must be an object with a role and a content")
     content = message.get("content")
-    if isinstance(content, list):  # [{type: text, text}] parts
-        if not all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content
-        ):
-            raise ProtocolError(f"messages[{i}].content: only text parts are supported")
-        content = "".join(p["text"] for p in content)
+    images: list[str] = []
+    if isinstance(content, list):  # [{type: text, text} | {type: image_url, image_url: {url}}] parts
+        texts = []
+        for k, part in enumerate(_as_dict(p) for p in content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind == "image_url":
+                if image_mark is None:
+                    raise ProtocolError(f"messages[{i}].content[{k}]: the served model does not read images")
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ProtocolError(f"messages[{i}].content[{k}].image_url needs a url (a data: URL)")
+                images.append(url)
+                texts.append(image_mark)
+            else:
+                raise ProtocolError(
+                    f"messages[{i}].content[{k}]: only text and image_url parts are supported"
+                )
+        content = "".join(texts)
     calls = message.get("tool_calls") or []
     if content is None and calls:
         content = ""
     if not isinstance(content, str):
         raise ProtocolError(f"messages[{i}].content must be a text (got {type(content).__name__})")
     out: dict[str, Any] = {"role": message["role"], "content": content}
+    if images:
+        out["images"] = images
     if calls:
         if message["role"] != "assistant" or not isinstance(calls, list):
             raise ProtocolError(
@@ -440,8 +459,11 @@ def parse_tool_calls(text: str, ids: list[str], parallel: bool = True) -> tuple[
     return (content or None), calls if parallel else calls[:1]
 
 
-def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest:
-    """`render(messages, tools) -> token ids` applies the served tokenizer's chat template (`template`)."""
+def parse_chat_request(
+    body: Any, render, template: str | None, image_mark: str | None = None
+) -> OpenAIRequest:
+    """`render(messages, tools) -> (token ids, images)` applies the served tokenizer's chat template
+    (`template`); `image_mark`: see `chat_message`."""
     body = _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -457,7 +479,7 @@ def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest
     stream, usage = _stream(body)
     sampling = _sampling(body, max_tokens, stops)
     # rendered last: a request with a bad field is refused before the template's work
-    prompt = render([chat_message(m, i) for i, m in enumerate(messages)], tools)
+    prompt, images = render([chat_message(m, i, image_mark) for i, m in enumerate(messages)], tools)
     return OpenAIRequest(
         [prompt],
         sampling,
@@ -470,6 +492,7 @@ def parse_chat_request(body: Any, render, template: str | None) -> OpenAIRequest
         stream=stream,
         include_usage=usage,
         model=_model(body),
+        images=[images],
     )
 
 

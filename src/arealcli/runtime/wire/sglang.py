@@ -53,7 +53,6 @@ _NEUTRAL_SAMPLING: dict[str, tuple] = {
 }
 _NEUTRAL_REQUEST: dict[str, tuple] = {
     "input_embeds": (None,),
-    "image_data": (None,),
     "video_data": (None,),
     "audio_data": (None,),
     "logprob_start_len": (None, -1),
@@ -282,6 +281,7 @@ class GenerateRequest:
     adapters: list[str | None] = field(
         default_factory=list
     )  # `lora_path`: a served adapter's name, per prompt
+    images: list[list[str]] = field(default_factory=list)  # `image_data`: each prompt's images (may be [])
 
 
 def _per_prompt(value: Any, size: int, is_batch: bool, name: str) -> list[Any]:
@@ -335,9 +335,34 @@ def parse_generate(body: Any) -> GenerateRequest:
     adapters = _per_prompt(body.get("lora_path"), size, is_batch, "lora_path")
     if not all(a is None or isinstance(a, str) for a in adapters):
         raise ProtocolError("lora_path must be a served adapter's name (or a list of names, one per prompt)")
+    images = _image_data(body.get("image_data"), size, is_batch)
     return GenerateRequest(
-        prompts, sampling, logprob, rids, is_batch, bool(body.get("return_text_in_logprobs")), adapters
+        prompts,
+        sampling,
+        logprob,
+        rids,
+        is_batch,
+        bool(body.get("return_text_in_logprobs")),
+        adapters,
+        images,
     )
+
+
+def _image_data(value: Any, size: int, is_batch: bool) -> list[list[str]]:
+    """`image_data` as SGLang takes it: for one prompt an image or a list of images; for a batch one entry
+    (an image, a list, or null) per prompt. An image is a data: URL or base64 text."""
+    if value is None:
+        return [[] for _ in range(size)]
+    per_prompt = value if is_batch else [value]
+    if not isinstance(per_prompt, list) or len(per_prompt) != size:
+        raise ProtocolError(f"image_data needs one entry per prompt ({size})")
+    out = []
+    for entry in per_prompt:
+        images = [] if entry is None else entry if isinstance(entry, list) else [entry]
+        if not all(isinstance(x, str) for x in images):
+            raise ProtocolError("image_data: each image is a data: URL or base64 text")
+        out.append(images)
+    return out
 
 
 # --------------------------------------------------------------------------- /generate responses

@@ -38,6 +38,7 @@ from arealcli.runtime.engines.train import TrainEngine
 from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.models.weights import load_plain
 from arealcli.runtime.optim import begin_step, require_optimizer
+from arealcli.runtime.vision import save_tokenizer
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec, OptimizerConfig
 
 
@@ -313,7 +314,7 @@ class MegatronEngine(TrainEngine):
                 skeleton = AutoModelForCausalLM.from_config(self.hf_config, dtype=self.dtype)
             skeleton.save_pretrained(save_dir, state_dict=state, safe_serialization=True)
             if tokenizer is not None:
-                tokenizer.save_pretrained(save_dir)
+                save_tokenizer(tokenizer, save_dir)
         dist.barrier()
 
     @torch.no_grad()
