@@ -53,6 +53,10 @@ def module(tok):
     return m
 
 
+def data_url(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
 def mixed_rows(folder: Path) -> Path:
     """Rows with one image, two images (marks), a data: URL, raw text only; of different lengths."""
     images = folder / "pics"
@@ -99,6 +103,43 @@ def test_rows_become_image_tokens_pixels_and_grids(tok, tmp_path):
     # a selection of other keys keeps the images with their sequences; so do subsets
     picked = batch.select(["packed_input_ids"]).subset([4, 1])
     assert picked.seqlens["image_grid_thw"] == [1, 2]
+
+
+def test_chat_rows_with_image_url_parts_read_as_marked_prompts(tok, tmp_path):
+    """OpenAI-style messages with image_url parts (a data: URL, a path) give the tokens and pixels of the
+    same prompt written with <image> marks; a web URL is refused (nothing is fetched)."""
+    import copy
+
+    chat_tok = copy.deepcopy(tok)
+    chat_tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    shutil.copy(COLOURS / "images/test-0000.png", tmp_path / "a.png")
+    url = data_url(COLOURS / "images/test-0001.png")
+    parts = [
+        {"type": "image_url", "image_url": {"url": "a.png"}},
+        {"type": "text", "text": "then "},
+        {"type": "image_url", "image_url": url},
+        {"type": "text", "text": "colour:"},
+    ]
+    chat = write_jsonl(
+        tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": parts}], "answer": "x"}]
+    )
+    plain = write_jsonl(
+        tmp_path / "plain.jsonl",
+        [{"image": ["a.png", url], "prompt": "<image>then <image>colour:", "answer": "x"}],
+    )
+    a = dataset(chat, chat_tok, messages_key="messages").collate([0])
+    b = dataset(plain, chat_tok).collate([0])
+    for key in ("packed_prompts", "pixel_values", "image_grid_thw"):
+        assert torch.equal(a.data[key], b.data[key]), key
+
+    from arealcli.errors import DataError
+
+    parts[0]["image_url"] = {"url": "https://example.com/a.png"}
+    web = write_jsonl(
+        tmp_path / "web.jsonl", [{"messages": [{"role": "user", "content": parts}], "answer": "x"}]
+    )
+    with pytest.raises(DataError, match="not fetched from the web"):
+        dataset(web, chat_tok, messages_key="messages")
 
 
 def test_bad_image_rows_are_named_with_their_line(tok, tmp_path):
@@ -169,6 +210,16 @@ def test_check_reads_the_images_without_torch(tmp_path, cli):
     path.write_text(yaml.safe_dump(recipe))
     result = cli("check", path)
     assert result.exit_code == 0, result.output
+
+    # a backend that cannot give a vision-language model its images (the `images` capability)
+    recipe["models"]["actor"]["backend"] = {"type_": "megatron", "args": {"optimizer": {"lr": 1.0e-3}}}
+    path.write_text(yaml.safe_dump(recipe))
+    result = cli("check", path)
+    assert result.exit_code == 2
+    assert (
+        "model 'actor' reads images, but backend 'megatron' cannot give it images; use fsdp, hf"
+        in result.stderr
+    )
 
 
 def test_images_need_a_model_that_reads_them(char_tok, tmp_path):
@@ -266,10 +317,6 @@ def test_generation_with_images_matches_the_training_forward(module, tok, tmp_pa
 
 
 # --------------------------------------------------------------------------- serving
-
-
-def data_url(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
 def test_areal_serve_answers_chat_and_generate_with_images(module, tok, tmp_path):
@@ -437,7 +484,7 @@ def test_sft_and_grpo_with_images_resume_exactly(tmp_path, cli):
 
 
 @pytest.mark.slow
-def test_the_vlm_quickstart_learns_colours(tmp_path):
+def test_the_vlm_quickstart_learns_colours(tmp_path, cli):
     from tests.test_quickstart import eval_accuracy, train
 
     run_dir = tmp_path / "run"
@@ -447,3 +494,22 @@ def test_the_vlm_quickstart_learns_colours(tmp_path):
     warm, final = acc[40], acc[max(acc)]
     assert acc[0] < 0.3  # six colours: chance is 1/6, and the untrained model writes no colour at all
     assert final >= 0.8 and final >= warm + 0.1, acc
+
+    # `areal eval` reads the image column of the held-out file and agrees with the run's own evaluation
+    out = tmp_path / "eval.json"
+    result = cli("eval", run_dir, "--data", COLOURS / "test.jsonl", "--n", 1, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert (
+        abs(json.loads(out.read_text())["metrics"]["greedy_accuracy"] - final) <= 0.02
+    )  # batch shapes differ
+
+    # `areal chat --image` answers with the colour of the picture
+    from tests.test_chat import chat
+
+    rows = [json.loads(line) for line in (COLOURS / "test.jsonl").read_text().splitlines()[:6]]
+    right = 0
+    for row in rows:
+        result = chat(run_dir, "--image", COLOURS / row["image"], "--temperature", "0", input="colour:\n")
+        assert result.exit_code == 0, result.output
+        right += result.stdout.strip() == row["answer"]
+    assert right >= 4, right

@@ -61,6 +61,17 @@ SendKey = Annotated[
 ]
 
 
+Images = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--image",
+        metavar="PATH",
+        help="A picture for the first message (repeat for several; a vision-language model). In the chat, "
+        "/image PATH attaches one to the next message.",
+    ),
+]
+
+
 def chat(
     target: Target,
     model: Model = None,
@@ -74,6 +85,7 @@ def chat(
     dtype: DtypeOpt = Dtype.float32,
     seed: Seed = None,
     send_key: SendKey = False,
+    image: Images = None,
 ) -> None:
     """Chat in the terminal with a model; plain completion for models without a chat template.
 
@@ -82,12 +94,13 @@ def chat(
     areal chat runs/quickstart --step 200 --model actor
     areal chat ~/models/Qwen2.5-0.5B-Instruct --system "Answer briefly."
     areal chat http://127.0.0.1:30000 --max-new-tokens 64
+    areal chat runs/vlm-quickstart --image data/colours/images/test-0000.png --temperature 0
     AREAL_API_KEY=... areal chat https://gpu7.example.org:30000 --send-key
 
     A line ending in \\ continues the message; /reset, /history, /exit (or Ctrl-D).
     With stdin piped, each message's reply is printed as plain text.
     """
-    from arealcli.runtime.console.chat import ChatScreen, Conversation, SamplingFlags
+    from arealcli.runtime.console.chat import ChatError, ChatScreen, Conversation, SamplingFlags
 
     flags = SamplingFlags(temperature, top_p, max_new_tokens)
     try:
@@ -95,7 +108,14 @@ def chat(
     except UserError as e:
         raise fail(e.lines) from None
     interactive = sys.stdin.isatty()
-    screen = ChatScreen(Conversation(engine, flags, system, completion), console, err_console, interactive)
+    conversation = Conversation(engine, flags, system, completion)
+    for path in image or []:
+        try:
+            conversation.attach(str(path))
+        except ChatError as e:
+            engine.close()
+            raise fail([f"--image {e}"]) from None
+    screen = ChatScreen(conversation, console, err_console, interactive)
     try:
         screen.run()
     except UserError as e:  # the server went away

@@ -1,7 +1,8 @@
 """`areal chat`'s conversation in a terminal: read a message, ask the engine, show the reply.
 
 A message is one line; a line ending in `\\` continues on the next, and a line holding only `\"\"\"`
-starts a block (for pastes) that the next such line ends. `/reset` clears the conversation, `/history`
+starts a block (for pastes) that the next such line ends. `/image PATH` attaches a picture to the next
+message (a vision-language model; `--image` to the first). `/reset` clears the conversation, `/history`
 shows it again, `/exit` (or Ctrl-D) quits; Ctrl-C stops a reply being generated (it is not kept) or
 clears the line being typed. A model with a chat template gets the whole conversation rendered by it
 (the `--system` message first); one without is a completion model: each message is completed on its own.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from rich.console import Console
 from rich.rule import Rule
@@ -27,6 +28,7 @@ PROMPT, MORE = "you> ", "...> "
 USER_STYLE, MODEL_STYLE, SYSTEM_STYLE = "bold green", "bold cyan", "bold magenta"
 HELP = [
     'Enter sends; a line ending in \\ continues; a line of """ starts or ends a block.',
+    "/image PATH attaches a picture to the next message,",
     "/reset clears the chat, /history shows it, /exit or Ctrl-D quits,",
     "Ctrl-C stops a reply.",
 ]
@@ -60,9 +62,11 @@ class ChatEngine(Protocol):
     name: str  # what is being talked to, for the banner
     chat_template: bool  # messages are rendered with a chat template (else: plain completion)
 
-    def chat(self, messages: list[dict[str, str]], sampling: SamplingFlags) -> Reply: ...
+    def chat(self, messages: list[dict[str, Any]], sampling: SamplingFlags) -> Reply:
+        """Messages in OpenAI's form: `content` a text, or parts (text and image_url with a data: URL)."""
+        ...
 
-    def complete(self, prompt: str, sampling: SamplingFlags) -> Reply: ...
+    def complete(self, prompt: str, sampling: SamplingFlags, images: list[str] | None = None) -> Reply: ...
 
     def close(self) -> None: ...
 
@@ -73,21 +77,49 @@ class Conversation:
     def __init__(self, engine: ChatEngine, sampling: SamplingFlags, system: str | None, completion: bool):
         self.engine, self.sampling, self.system = engine, sampling, system
         self.completion = completion or not engine.chat_template
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
+        self.images: list[str] = []  # data: URLs of pictures for the next message (`attach`)
 
     def reset(self) -> None:
         self.messages = []
 
+    def attach(self, path: str) -> None:
+        """A picture for the next message; ChatError when it is not a readable image."""
+        from arealcli.errors import DataError
+        from arealcli.runtime.vision import image_data_url
+
+        try:
+            self.images.append(image_data_url(path))
+        except (DataError, OSError) as e:
+            raise ChatError(f"{path}: {e}") from None
+
     def send(self, text: str) -> Reply:
-        """The reply to `text`; kept in the conversation unless it was stopped (ChatError: nothing kept)."""
-        if self.completion:
-            return self.engine.complete(text, self.sampling)
-        system = [{"role": "system", "content": self.system}] if self.system else []
-        turn = {"role": "user", "content": text}
-        reply = self.engine.chat([*system, *self.messages, turn], self.sampling)
+        """The reply to `text` (with the pictures attached since the last message); kept in the
+        conversation unless it was stopped (ChatError: nothing kept)."""
+        images, self.images = self.images, []
+        try:
+            if self.completion:
+                return self.engine.complete(text, self.sampling, images or None)
+            system = [{"role": "system", "content": self.system}] if self.system else []
+            content: Any = text
+            if images:
+                content = [{"type": "image_url", "image_url": {"url": u}} for u in images]
+                content.append({"type": "text", "text": text})
+            turn = {"role": "user", "content": content}
+            reply = self.engine.chat([*system, *self.messages, turn], self.sampling)
+        except ChatError:
+            self.images = images  # still attached for the next try
+            raise
         if reply.finish != "abort":
             self.messages += [turn, {"role": "assistant", "content": reply.text}]
         return reply
+
+
+def shown(content: Any) -> str:
+    """A message's content as text: parts joined, each picture as [image]."""
+    if isinstance(content, str):
+        return content
+    return "".join("[image] " if p.get("type") == "image_url" else p.get("text", "") for p in content)
 
 
 def read_message(read: Callable[[str], str]) -> str | None:
@@ -141,11 +173,27 @@ class ChatScreen:
                 return
             if not text.strip():
                 continue
+            if text.strip().lower().startswith("/image"):
+                self.attach(text.strip()[len("/image") :].strip())
+                continue
             if text.strip().lower() in COMMANDS:
                 if not self.command(text.strip().lower()):
                     return
                 continue
             self.answer(text)
+
+    def attach(self, path: str) -> None:
+        if not path:
+            self.err.print(Text("/image PATH: give the picture's file", style="yellow"))
+            return
+        try:
+            self.conv.attach(path)
+        except ChatError as e:
+            self.err.print(Text(str(e), style="yellow"))
+            return
+        if self.interactive:
+            n = len(self.conv.images)
+            self.console.print(Text(f"{n} picture(s) attached to the next message", style="dim"))
 
     def _read(self, prompt: str) -> str:
         if self.interactive:
@@ -197,7 +245,7 @@ class ChatScreen:
         for m in conv.messages:
             user = m["role"] == "user"
             label, style = (PROMPT, USER_STYLE) if user else ("model> ", MODEL_STYLE)
-            self.console.print(Text.assemble((label, style), m["content"]))
+            self.console.print(Text.assemble((label, style), shown(m["content"])))
         self.console.print(Rule(style="dim"))
 
     def answer(self, text: str) -> None:

@@ -186,7 +186,7 @@ class PromptAnswerDataset:
             if key not in row:
                 return f"row has no {key!r} field (has {sorted(row)})"
         if a.messages_key is not None:
-            problem = messages_problem(row[a.messages_key], a.messages_key)
+            problem = messages_problem(row[a.messages_key], a.messages_key, parts=True)
             if problem:
                 return problem
         else:
@@ -221,15 +221,17 @@ class PromptAnswerDataset:
                 if a.messages_key
                 else [{"role": "user", "content": text_value(row[a.prompt_key])}]
             )
+            messages, in_parts = vision.message_parts(messages)  # image_url parts: marks in the text
             prompt, prompt_ids = render_prompt(tok, with_system(messages, a.system_prompt))
         else:
             text = text_value(row[a.prompt_key])
             assert text is not None  # _row_problem refused the rows without a text prompt
-            prompt = text
+            prompt, in_parts = text, []
             prompt_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         pixels = grids = None
         if self.images is not None:  # placeholder tokens where the images go (none: text only)
-            opened = [vision.open_image(x, self.image_dir) for x in vision.images_in(row.get(a.image_key))]
+            sources = in_parts + vision.images_in(row.get(a.image_key))
+            opened = [vision.open_image(x, self.image_dir) for x in sources]
             pixels, grids = self.images.encode(opened)
             if opened:
                 prompt_ids = self.images.tokenize(tok, prompt, grids)

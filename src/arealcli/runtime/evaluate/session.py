@@ -324,12 +324,18 @@ def _tokenizer_source(s: Target) -> tuple[Any, str | None]:
 
 
 def _tokenizer(s: Target):
+    from arealcli.errors import DataError
+    from arealcli.runtime import vision
     from arealcli.runtime.data.tokenizer import load_tokenizer
 
     tok_spec, fallback = _tokenizer_source(s)
+    folder = s.found.model_dir if s.found is not None else None
+    seeing = folder is not None and vision.config_is_vision(folder)
     try:
-        return load_tokenizer(tok_spec, fallback)
-    except ValueError as e:
+        tok = load_tokenizer(tok_spec, fallback, vision=seeing)
+        # a vision-language folder reads the dataset's images with its own image processor
+        return vision.with_images(tok, vision.folder_image_processor(str(folder))) if seeing else tok
+    except (ValueError, DataError) as e:
         raise UserError(f"{s.target}: {e}") from None
 
 

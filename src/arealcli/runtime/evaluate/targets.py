@@ -27,16 +27,17 @@ class LocalTarget(EngineTarget):
         workflow: Any = None,
     ):
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
         from transformers.utils import logging as hf_logging
 
         from arealcli.runtime.backends.hf import HFBackend
-        from arealcli.runtime.models.model import FinetuneSpec, Model
+        from arealcli.runtime.models.model import FinetuneSpec, Model, auto_class
         from arealcli.schema.components.backends import HFBackendArgs
 
         hf_logging.disable_progress_bar()
         try:
-            module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+            config = AutoConfig.from_pretrained(model_dir)
+            module = auto_class(config).from_pretrained(model_dir, dtype=getattr(torch, dtype))
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"cannot load the model in {model_dir}: {first}") from None

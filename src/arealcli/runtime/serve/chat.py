@@ -35,19 +35,39 @@ class LocalChat:
         self.scheduler = Scheduler(self.runner, batch_window_s=0.0, max_batch_size=1)
         self.scheduler.start()
 
-    def chat(self, messages: list[dict[str, str]], sampling: SamplingFlags) -> Reply:
+    def chat(self, messages: list[dict[str, Any]], sampling: SamplingFlags) -> Reply:
+        from arealcli.runtime.vision import IMAGE_MARK
+        from arealcli.runtime.wire.openai import ProtocolError, chat_message
+
+        try:  # pictures (image_url parts) become marks in the text, in order
+            plain = [chat_message(m, i, IMAGE_MARK) for i, m in enumerate(messages)]
+        except ProtocolError as e:
+            raise ChatError(str(e)) from None
+        sent = [url for m in plain for url in m.pop("images", [])]
         try:
-            rendered = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
-            )
+            rendered = self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # the template's own checks (roles, order) raise
             raise ChatError(f"the chat template cannot render the conversation: {e}") from None
-        return self._generate(self.tokenizer.encode(rendered, add_special_tokens=False), sampling)
+        if sent:
+            return self._generate(*self._with_images(rendered, sent), sampling)
+        return self._generate(self.tokenizer.encode(rendered, add_special_tokens=False), None, sampling)
 
-    def complete(self, prompt: str, sampling: SamplingFlags) -> Reply:
-        return self._generate(self.runner.encode(prompt), sampling)
+    def complete(self, prompt: str, sampling: SamplingFlags, images: list[str] | None = None) -> Reply:
+        if images:
+            return self._generate(*self._with_images(prompt, images), sampling)
+        return self._generate(self.runner.encode(prompt), None, sampling)
 
-    def _generate(self, ids: list[int], flags: SamplingFlags) -> Reply:
+    def _with_images(self, prompt: str, sent: list[str]) -> tuple[list[int], Any]:
+        from arealcli.errors import DataError
+
+        if self.runner.images is None:
+            raise ChatError(f"{self.name} does not read images (not a vision-language model)")
+        try:
+            return self.runner.images.request(self.tokenizer, prompt, sent)
+        except DataError as e:
+            raise ChatError(str(e)) from None
+
+    def _generate(self, ids: list[int], images: Any, flags: SamplingFlags) -> Reply:
         from arealcli.runtime.generation.scheduler import Sequence
         from arealcli.runtime.wire.sglang import Sampling
 
@@ -62,7 +82,7 @@ class LocalChat:
         sampling = Sampling(
             max_new_tokens=flags.max_new_tokens, temperature=flags.temperature, top_p=flags.top_p
         )
-        seq = Sequence("chat", ids, sampling, min(flags.max_new_tokens, context - len(ids)))
+        seq = Sequence("chat", ids, sampling, min(flags.max_new_tokens, context - len(ids)), images=images)
         self.scheduler.submit([seq])
         try:
             while not seq.done.wait(0.1):
@@ -159,10 +179,12 @@ class RemoteChat:
             raise UserError(str(e)) from None
         return True
 
-    def chat(self, messages: list[dict[str, str]], sampling: SamplingFlags) -> Reply:
+    def chat(self, messages: list[dict[str, Any]], sampling: SamplingFlags) -> Reply:
         return self._interruptible(lambda: self._chat(messages, sampling))
 
-    def complete(self, prompt: str, sampling: SamplingFlags) -> Reply:
+    def complete(self, prompt: str, sampling: SamplingFlags, images: list[str] | None = None) -> Reply:
+        if images:
+            raise ChatError("pictures go in chat messages: the server's model has no chat template")
         return self._interruptible(lambda: self._complete(prompt, sampling))
 
     def _sampling(self, s: SamplingFlags) -> dict[str, Any]:
@@ -173,7 +195,7 @@ class RemoteChat:
             "top_p": s.top_p,
         }
 
-    def _chat(self, messages: list[dict[str, str]], s: SamplingFlags) -> Reply:
+    def _chat(self, messages: list[dict[str, Any]], s: SamplingFlags) -> Reply:
         out = self.request("POST", "/chat/completions", {"messages": messages, **self._sampling(s)})
         return _reply(out, lambda choice: (choice.get("message") or {}).get("content") or "")
 

@@ -273,8 +273,7 @@ class GenerationService:
         encoder = self.runner.images
         assert encoder is not None
         try:
-            pixels, grids = encoder.encode([vision.sent_image(x) for x in sent])
-            return encoder.prompt_ids(self.runner.tokenizer, prompt, grids), (pixels, grids)
+            return encoder.request(self.runner.tokenizer, prompt, sent)
         except DataError as e:
             raise ProtocolError(f"{field}: {e}") from None
 
