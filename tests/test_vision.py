@@ -316,6 +316,60 @@ def test_generation_with_images_matches_the_training_forward(module, tok, tmp_pa
         )
 
 
+def test_a_tool_may_answer_with_a_picture(module, tok, tmp_path):
+    """tool_use episodes with images: every turn generates with the prompt's pictures and those the tools
+    returned so far, and the episode carries them all into training: the trainer's log-probs of the
+    model's own tokens are the generator's. The model is first fitted to answer `[x]` (a tool call)."""
+    import copy
+
+    from arealcli.runtime.backends.hf import HFBackend, run_packed
+    from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
+    from arealcli.runtime.interfaces.sft import SFTInterface
+    from arealcli.runtime.interfaces.token_logprobs import next_token_logprobs
+    from arealcli.runtime.models.model import FinetuneSpec, Model
+    from arealcli.runtime.tools import ToolOutput, register_tool
+    from arealcli.schema.components.backends import HFBackendArgs
+    from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+    from arealcli.schema.components.interfaces import PPOActorArgs, SFTArgs
+    from arealcli.schema.registry import TOOLS
+    from tests.conftest import train_until
+
+    picture = str(COLOURS / "images/test-0002.png")
+    if "show_picture" not in TOOLS.names():
+        register_tool("show_picture", lambda arg: ToolOutput("<image>", [picture]))
+    workflow = {"type_": "tool_use", "args": {"tools": ["show_picture"], "max_total_tokens": 40}}
+    actor = PPOActorInterface(PPOActorArgs.model_validate({"workflow": workflow}))
+    m = copy.deepcopy(module)
+    model = HFBackend(HFBackendArgs(device="cpu", optimizer={"lr": 3e-3})).initialize(
+        Model("actor", m, tok), FinetuneSpec(1000, 1, 1000, 5)
+    )
+    rows = mixed_rows(tmp_path)
+    write_jsonl(rows, [{**json.loads(line), "answer": "[x]"} for line in rows.read_text().splitlines()])
+    data = dataset(rows, tok)
+    fit = data.collate(list(range(5))).select(["packed_input_ids", "prompt_mask", "loss_mask"])
+    sft = SFTInterface(SFTArgs())
+    train_until(lambda: sft.train_step(model, fit, MicroBatchSpec()), lambda s: s["loss"] < 0.02, 20, 400)
+    batch = data.collate(list(range(5))).repeat_interleave(4)
+    torch.manual_seed(0)
+    g = GenerationHyperparameters(max_new_tokens=12, temperature=1.0)
+    out = actor._generate_episodes(model, batch, g, actor.workflow)
+
+    before = [int(x.shape[0]) for x in batch.unpack("image_grid_thw")]
+    after = [int(x.shape[0]) for x in out.unpack("image_grid_thw")]
+    assert sum(after) - sum(before) >= 3, (before, after)  # pictures the tool returned
+    assert all(a >= b for a, b in zip(after, before, strict=True))
+    image_token = m.config.image_token_id
+    for ids, grids in zip(out.unpack("packed_input_ids"), out.unpack("image_grid_thw"), strict=True):
+        assert int((ids == image_token).sum()) == sum(int(g.prod()) // 4 for g in grids)
+    with torch.no_grad():
+        logp = next_token_logprobs(run_packed(m, out, "cpu"), out)
+    # position t holds log p(token t + 1): the model's own tokens are those whose next one is in the mask
+    own = torch.cat([torch.cat([mask[1:].bool(), torch.tensor([False])]) for mask in out.unpack("loss_mask")])
+    assert own.sum() > 0
+    generated = out.data["packed_logprobs"]
+    assert torch.allclose(logp[own.bool()], generated[own.bool()], atol=1e-4)
+
+
 # --------------------------------------------------------------------------- serving
 
 

@@ -469,6 +469,14 @@ def joined(
     }
 
 
+def stacked(images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several (pixel_values, image_grid_thw) of one sequence, in order, as one (at least one given: a
+    sequence without images has empty ones, as `ImageEncoder.encode([])` makes them)."""
+    import torch
+
+    return torch.cat([x[0] for x in images]), torch.cat([x[1] for x in images])
+
+
 def prompt_inputs(
     module,
     ids: torch.Tensor,

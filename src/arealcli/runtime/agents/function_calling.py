@@ -53,7 +53,13 @@ class FunctionCallingWorkflow(AgentWorkflow):
                 result, ok = run_tool(self.tools, call.function.name, arguments, a.tool_timeout_s)
                 client.record_tool(ok)
                 messages.append(
-                    {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": result}
+                    # (its text: pictures reach the model in tool_use episodes)
+                    {
+                        "role": "tool",
+                        "tool_call_id": call.id,
+                        "name": call.function.name,
+                        "content": str(result),
+                    }
                 )
         client.chat.completions.create(
             model="policy", messages=messages, tools=self.schemas

@@ -21,18 +21,23 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from arealcli.errors import DataError
+from arealcli.runtime import vision
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.generation.sampling import StopTexts
-from arealcli.runtime.tools import ToolError, get_tool
+from arealcli.runtime.tools import ToolError, ToolOutput, get_tool
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.workflows import ToolUseArgs
 
 
-def run_tool(tools: dict, name: str, arg, timeout_s: float = 60.0) -> tuple[str, bool]:
-    """(result text, ok) of calling tool `name` of `tools` with `arg`: a text, or JSON arguments (an
+def run_tool(tools: dict, name: str, arg, timeout_s: float = 60.0) -> tuple[str | ToolOutput, bool]:
+    """(result, ok) of calling tool `name` of `tools` with `arg`: a text (or a `ToolOutput` with pictures,
+    as the tool returned it), or JSON arguments (an
     object with one value passes that value; others pass as JSON text). Every failure is a result the
     model reads: no such tool, a ToolError, a bug in the tool itself, or no answer within `timeout_s`
     (the call is left to finish on its own thread; the run goes on)."""
@@ -41,11 +46,12 @@ def run_tool(tools: dict, name: str, arg, timeout_s: float = 60.0) -> tuple[str,
     arg = arg if isinstance(arg, str) else json.dumps(arg)
     if name not in tools:
         return f"error: no tool {name!r} (tools: {', '.join(tools)})", False
-    answer: list[tuple[str, bool]] = []
+    answer: list[tuple[str | ToolOutput, bool]] = []
 
     def call() -> None:
         try:
-            answer.append((str(tools[name](arg)), True))
+            out = tools[name](arg)
+            answer.append((out if isinstance(out, ToolOutput) else str(out), True))
         except ToolError as e:
             answer.append((f"error: {e}", False))
         except Exception as e:
@@ -69,6 +75,8 @@ class Episode:
     final: list[int] = field(default_factory=list)  # the model's tokens after the last tool result
     versions: list[int] = field(default_factory=list)  # policy versions of its generation turns
     prompt: list[int] | None = None  # the episode's own prompt, when not the dataset's (an agent's rendering)
+    # pictures tools returned, as the model reads them ((pixel_values, image_grid_thw) each), in order
+    images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class ToolUseWorkflow:
@@ -80,7 +88,28 @@ class ToolUseWorkflow:
         self.args = args
         self.tools = {name: get_tool(name) for name in args.tools}
 
-    def _call(self, text: str) -> tuple[str, bool]:
+    def _result_ids(self, tokenizer, result: str | ToolOutput, room: int) -> tuple[list[int], Any]:
+        """The tokens of a tool's result in `result_template`, at most `room` of them, and the pictures it
+        returned as the model reads them (None: none). Pictures for a model that reads none, or that do not
+        fit whole, become a note in the text."""
+        text = self.args.result_template.format(result=str(result))
+        pictures = result.images if isinstance(result, ToolOutput) else []
+        encoder = vision.encoder_of(tokenizer)
+        if pictures and encoder is not None:
+            try:
+                pixels, grids = encoder.encode([vision.open_image(x, Path.cwd()) for x in pictures])
+                ids = encoder.tokenize(tokenizer, text, grids)
+                if len(ids) <= room:
+                    return ids, (pixels, grids)
+                text = self.args.result_template.format(result=f"{result} (its pictures do not fit)")
+            except DataError as e:
+                text = self.args.result_template.format(result=f"{result} (error: its picture: {e})")
+        elif pictures:
+            text = self.args.result_template.format(result=f"{result} (a picture the model cannot see)")
+        text = text.replace(vision.IMAGE_MARK, "")
+        return tokenizer(text, add_special_tokens=False)["input_ids"][:room], None
+
+    def _call(self, text: str) -> tuple[str | ToolOutput, bool]:
         """The tool's result text for a call, and ok. A call is the argument text (`name: arg` with
         several tools), or JSON as instruct models' chat templates write it: `{"name": "calculator",
         "arguments": {"expression": "2*3"}}` (an argument object with one value passes that value)."""
@@ -97,8 +126,15 @@ class ToolUseWorkflow:
         return run_tool(self.tools, name, arg, self.args.tool_timeout_s)
 
     def run(
-        self, engine, tokenizer, prompts: list[list[int]], gconfig: GenerationHyperparameters
+        self,
+        engine,
+        tokenizer,
+        prompts: list[list[int]],
+        gconfig: GenerationHyperparameters,
+        images: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> list[Episode]:
+        """`images`: each prompt's (pixel_values, image_grid_thw), a vision-language model's; every turn
+        generates with them and with the pictures tools returned so far."""
         a = self.args
         close = tokenizer(a.call_close, add_special_tokens=False)["input_ids"]
         eos = {tokenizer.eos_token_id, *gconfig.stop_token_ids}
@@ -118,7 +154,11 @@ class ToolUseWorkflow:
             room = max(a.max_total_tokens - len(episodes[i].tokens) for i in active)
             step = g.model_copy(update={"max_new_tokens": min(g.max_new_tokens, room), "min_new_tokens": 0})
             seqs = [torch.tensor(prompts[i] + episodes[i].tokens) for i in active]
-            batch = SequenceSample.from_lists(list(range(len(active))), {"packed_prompts": seqs})
+            keys: dict[str, list[torch.Tensor]] = {"packed_prompts": seqs}
+            if images is not None:  # the prompt's pictures and the tools' so far
+                seen = [vision.stacked([images[i], *episodes[i].images]) for i in active]
+                keys["pixel_values"], keys["image_grid_thw"] = [x[0] for x in seen], [x[1] for x in seen]
+            batch = SequenceSample.from_lists(list(range(len(active))), keys)
             out = engine.generate(batch, MicroBatchSpec(), tokenizer, step)
             still = []
             for j, i in enumerate(active):
@@ -144,10 +184,9 @@ class ToolUseWorkflow:
                 result, ok = self._call(call) if start >= 0 else ("error: no call was opened", False)
                 ep.tool_calls += 1
                 ep.tool_errors += not ok
-                result_ids = tokenizer(a.result_template.format(result=result), add_special_tokens=False)[
-                    "input_ids"
-                ]
-                result_ids = result_ids[: a.max_total_tokens - len(ep.tokens)]
+                result_ids, seen = self._result_ids(tokenizer, result, a.max_total_tokens - len(ep.tokens))
+                if seen is not None:
+                    ep.images.append(seen)
                 ep.tokens += result_ids
                 ep.mask += [False] * len(result_ids)
                 ep.logprobs += [0.0] * len(result_ids)

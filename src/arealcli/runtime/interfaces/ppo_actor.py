@@ -32,6 +32,7 @@ from arealcli.runtime.interfaces.rl_common import (
 from arealcli.runtime.interfaces.sft import answer_token_mask
 from arealcli.runtime.models.model import Model
 from arealcli.runtime.registry import make_workflow, reward_is_binary
+from arealcli.runtime.vision import per_sample_images, stacked
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs
 from arealcli.schema.registry import ADVANTAGES, KL_ESTIMATORS, POLICY_LOSSES
@@ -118,7 +119,9 @@ class PPOActorInterface(ModelInterface):
         """Episodes of `workflow` (this interface's): every token kept, `loss_mask` True on the model's own
         tokens."""
         prompts = [p.tolist() for p in rep.unpack("packed_prompts")]
-        episodes = workflow.run(model.module, model.tokenizer, prompts, g)
+        images = per_sample_images(rep)  # a vision-language model's: each turn generates with them
+        extra = {"images": images} if images is not None else {}
+        episodes = workflow.run(model.module, model.tokenizer, prompts, g, **extra)
         seqs, prompt_masks, loss_masks, logprobs, no_eos, versions, lasts = [], [], [], [], [], [], []
         for prompt, ep in zip(prompts, episodes, strict=True):
             prompt = prompt if ep.prompt is None else ep.prompt
@@ -133,17 +136,17 @@ class PPOActorInterface(ModelInterface):
             here = model.version.global_step
             versions.append(min(ep.versions, default=here))
             lasts.append(max(ep.versions, default=here))
-        out = SequenceSample.from_lists(
-            rep.ids,
-            {
-                "packed_input_ids": seqs,
-                "prompt_mask": prompt_masks,
-                "loss_mask": loss_masks,
-                "packed_logprobs": logprobs,
-                "seq_no_eos_mask": no_eos,
-            },
-            {"version": versions, "version_last": lasts},
-        )
+        keys = {
+            "packed_input_ids": seqs,
+            "prompt_mask": prompt_masks,
+            "loss_mask": loss_masks,
+            "packed_logprobs": logprobs,
+            "seq_no_eos_mask": no_eos,
+        }
+        if images is not None:  # the prompt's pictures, then those the tools returned, in order
+            seen = [stacked([im, *ep.images]) for im, ep in zip(images, episodes, strict=True)]
+            keys["pixel_values"], keys["image_grid_thw"] = [x[0] for x in seen], [x[1] for x in seen]
+        out = SequenceSample.from_lists(rep.ids, keys, {"version": versions, "version_last": lasts})
         n = max(len(episodes), 1)
         out.stats = {
             "generated_tokens": float(sum(sum(ep.mask) for ep in episodes)),

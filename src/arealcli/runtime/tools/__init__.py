@@ -11,6 +11,8 @@ Built in:
                  Off unless a workflow enables it (`allow_python: true`); `areal check` refuses it otherwise.
 
 Register your own with `register_tool(name, fn)` (from a module listed in the recipe's `imports:`).
+A tool may return a `ToolOutput` instead of text: text and pictures, which a vision-language model sees in
+the next turn of a `tool_use` episode (`<image>` in the text marks where each goes; else they come first).
 
 Layer 0 of runtime/__init__.py's table: it imports only folders of lower layers.
 """
@@ -22,13 +24,25 @@ import inspect
 import math
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from arealcli.runtime.tools.sandbox import SandboxError, run_confined
 from arealcli.schema.base import NoArgs
 from arealcli.schema.registry import TOOLS, Entry
 
-Tool = Callable[[str], str]
+Tool = Callable[[str], "str | ToolOutput"]
+
+
+@dataclass
+class ToolOutput:
+    """A tool's answer with pictures: `images` are PIL images, image bytes, data: URLs or file paths."""
+
+    text: str
+    images: list[Any] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class ToolError(Exception):
