@@ -200,7 +200,7 @@ def test_check_reads_the_images_without_torch(tmp_path, cli):
     path.write_text(yaml.safe_dump(recipe))
     result = cli("check", path)
     assert result.exit_code == 2
-    assert f"{data}:1: 4 row(s) have images ('image') but no model of the run reads images" in result.stderr
+    assert f"{data}:1: 4 row(s) have images ('image' or image_url parts) but no model of the run" in result.stderr
 
     for row in rows:
         row.update(image="images/ok.png", prompt="<image>colour:")
@@ -535,6 +535,57 @@ def test_sft_and_grpo_with_images_resume_exactly(tmp_path, cli):
 
     assert logged(full) == logged(crashed)
     assert logged(full)[6][1] is not None  # the last steps were GRPO steps
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_processes_trains_with_images_as_hf_does(tmp_path):
+    """The quickstart's SFT steps on fsdp over 2 processes: the losses and weights of hf in one process
+    (the same global batch); its GRPO steps generate with the images on each rank."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from arealcli.runtime.run import checkpoint as ckpt
+
+    runs = {}
+    for name, type_, nproc in (("hf1", "hf", 1), ("fsdp2", "fsdp", 2)):
+        recipe = vlm_recipe(
+            tmp_path,
+            max_steps=5,
+            save_every_n_steps=3,
+            eval_every_n_steps=100,
+            eval_at_start=False,
+            samples_every_n_steps=100,
+        )
+        doc = yaml.safe_load(recipe.read_text())
+        doc["dataflow"]["sft_warmup_steps"] = 3
+        doc["dataset"]["batch_size"] = 8
+        doc["models"]["actor"]["backend"]["type_"] = type_
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        run = tmp_path / name
+        cmd = [sys.executable, "-m", "arealcli.main", "train", str(path), "-o", str(run)]
+        result = subprocess.run(
+            [*cmd, "--nproc-per-node", str(nproc)], capture_output=True, text=True, timeout=600
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        runs[name] = run
+
+    def logged(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    ref, got = logged(runs["hf1"]), logged(runs["fsdp2"])
+    for a, b in zip(ref[:3], got[:3], strict=True):
+        assert b["sft_warmup/loss"] == pytest.approx(a["sft_warmup/loss"], abs=1e-4)
+    assert all("actor_train/reward" in r for r in got[3:5])  # GRPO steps ran, generating with images
+    a, b = (
+        load_file(str(r / "checkpoints" / ckpt.step_dir_name(3) / "actor" / "model.safetensors"))
+        for r in runs.values()
+    )
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-4, rtol=0, msg=k)
 
 
 @pytest.mark.slow

@@ -226,17 +226,24 @@ NO_VISION_MODEL = (
 )
 
 
+def row_images(row: dict, key: str, text_key: str) -> list[Any]:
+    """A data row's images in order: those in image_url parts of its chat messages (`text_key`), then
+    those under `key`."""
+    text = row.get(text_key)
+    in_parts = message_parts(text)[1] if isinstance(text, list) else []
+    return in_parts + images_in(row.get(key))
+
+
 def image_problem(row: dict, key: str, text_key: str, base_dir: Path, reads_images: bool) -> str | None:
     """Why a data row's images cannot be used, or None: an image that does not open, `IMAGE_MARK`s in the
     prompt (`text_key`) that do not match the images, or any image at all when no model of the run reads
     images. Shared by the datasets and `areal check`."""
-    text, images = row.get(text_key), images_in(row.get(key))
-    if isinstance(text, list):  # chat messages: their image_url parts come first
-        messages, in_parts = message_parts(text)
+    text, images = row.get(text_key), row_images(row, key, text_key)
+    if isinstance(text, list):  # chat messages: their image_url parts are marks in the text
+        messages, _ = message_parts(text)
         text = "".join(
             m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
         )
-        images = in_parts + images
     if images and not reads_images:
         return f"the row has an image ({key!r} or image_url parts) but {NO_VISION_MODEL}"
     marks = text.count(IMAGE_MARK) if isinstance(text, str) else 0
