@@ -552,6 +552,7 @@ def test_fsdp_over_two_processes_trains_with_images_as_hf_does(tmp_path):
     for name, type_, nproc in (("hf1", "hf", 1), ("fsdp2", "fsdp", 2)):
         recipe = vlm_recipe(
             tmp_path,
+            log_every_n_steps=1,
             max_steps=5,
             save_every_n_steps=3,
             eval_every_n_steps=100,

@@ -47,6 +47,7 @@ from arealcli.runtime.models.lora import (
     with_lora,
 )
 from arealcli.runtime.models.model import DTYPES, FinetuneSpec, Model
+from arealcli.runtime.models.weights import as_saved, saved_names
 from arealcli.runtime.optim import begin_step, build_optimizer, require_optimizer
 from arealcli.runtime.vision import save_tokenizer
 from arealcli.schema.components.backends import FSDPBackendArgs
@@ -77,9 +78,13 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def write_hf_checkpoint(
-    module: torch.nn.Module, architecture: str, state: dict[str, torch.Tensor], save_dir: str
+    module: torch.nn.Module,
+    architecture: str,
+    state: dict[str, torch.Tensor],
+    save_dir: str,
+    names: dict[str, str] | None = None,
 ) -> None:
-    """An HF directory (config.json + model.safetensors) from a full state dict."""
+    """An HF directory (config.json + model.safetensors) from a full state dict; `names`: see `as_saved`."""
     from safetensors.torch import save_file
     from transformers import PreTrainedModel
 
@@ -88,6 +93,9 @@ def write_hf_checkpoint(
     if isinstance(module, PreTrainedModel):
         config.architectures = [architecture]  # not the FSDP subclass fully_shard swapped in
     config.save_pretrained(save_dir)
+    state = as_saved(
+        state, names or {}
+    )  # the names other tools read (Qwen2-VL: `visual.*`, `model.layers.*`)
     if getattr(config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in state:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}  # tied: loaded from the embeddings
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
@@ -103,11 +111,13 @@ class FSDPEngine(TrainEngine):
         total_train_steps: int,
         architecture: str,
         reshard_after_forward: bool,
+        saved: dict[str, str] | None = None,
     ):
         from torch.distributed.fsdp import FSDPModule
 
         self.module: Any = module  # a transformers model, or peft's wrapper of one (duck-typed)
         self.device, self.architecture = device, architecture
+        self.saved = saved or {}  # the names save_pretrained would write (`weights.saved_names`)
         self.optimizer_cfg, self.total_train_steps = optimizer_cfg, total_train_steps
         self.optimizer = build_optimizer(module.parameters(), optimizer_cfg) if optimizer_cfg else None
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]  # same order everywhere
@@ -199,7 +209,7 @@ class FSDPEngine(TrainEngine):
             if self.lora:
                 save_adapters(self.module, state, save_dir)
                 state, module = merged_state(state, scaling(self.module)), self.module.get_base_model()
-            write_hf_checkpoint(module, self.architecture, state, save_dir)
+            write_hf_checkpoint(module, self.architecture, state, save_dir, self.saved)
             if tokenizer is not None:
                 save_tokenizer(tokenizer, save_dir)
 
@@ -258,6 +268,7 @@ class FSDPBackend(ModelBackend):
         if hasattr(module, "config"):
             packing.set_attention(module, a.attn_implementation)
         architecture = type(module).__name__
+        saved = saved_names(module)  # before fully_shard renames its class
         if a.lora is not None:
             module = with_lora(module, a.lora, model.seed)
         module = module.to(device)
@@ -275,7 +286,7 @@ class FSDPBackend(ModelBackend):
         )
         fully_shard(module, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False)
         model.module = FSDPEngine(
-            module, device, a.optimizer, spec.total_train_steps, architecture, a.reshard_after_forward
+            module, device, a.optimizer, spec.total_train_steps, architecture, a.reshard_after_forward, saved
         )
         model.device, model.dtype = device, param_dtype
         return model

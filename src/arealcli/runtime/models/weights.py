@@ -76,6 +76,13 @@ def own_names(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[s
     return {mapping.get(k, k): v for k, v in state.items()}
 
 
+def as_saved(state: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """`state` (a module's own names) under the names `save_pretrained` writes: `names` is the module's
+    `saved_names` (taken before a wrapper such as FSDP's hides its class from transformers)."""
+    mapping = {own: saved for saved, own in names.items()}
+    return {mapping.get(k, k): v for k, v in state.items()}
+
+
 def saved_names(module: torch.nn.Module) -> dict[str, str]:
     """name in a saved folder -> the module's own name, for the parameters transformers renames on save
     (its `revert_weight_conversion`, applied to the module's names)."""
