@@ -200,7 +200,10 @@ def test_check_reads_the_images_without_torch(tmp_path, cli):
     path.write_text(yaml.safe_dump(recipe))
     result = cli("check", path)
     assert result.exit_code == 2
-    assert f"{data}:1: 4 row(s) have images ('image' or image_url parts) but no model of the run" in result.stderr
+    assert (
+        f"{data}:1: 4 row(s) have images ('image' or image_url parts) but no model of the run"
+        in result.stderr
+    )
 
     for row in rows:
         row.update(image="images/ok.png", prompt="<image>colour:")
