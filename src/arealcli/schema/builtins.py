@@ -26,6 +26,7 @@ from arealcli.schema.components.interfaces import (
     TOPK_IDS,
     TOPK_LOGPROBS,
     DPOArgs,
+    EnvRewardArgs,
     JudgeRewardArgs,
     ModelRewardArgs,
     PPOActorArgs,
@@ -38,7 +39,7 @@ from arealcli.schema.components.interfaces import (
     SFTArgs,
     TopKDistillArgs,
 )
-from arealcli.schema.components.workflows import FunctionCallingArgs, ToolUseArgs
+from arealcli.schema.components.workflows import FunctionCallingArgs, OpenEnvArgs, ToolUseArgs
 from arealcli.schema.registry import (
     ADVANTAGES,
     BACKENDS,
@@ -200,6 +201,14 @@ _interface(
     needs_model=False,
 )
 _interface(
+    "env_reward",
+    f"{_R}.interfaces.reward:EnvRewardInterface",
+    EnvRewardArgs,
+    EnvRewardArgs.__doc__,
+    ["inference"],
+    needs_model=False,
+)
+_interface(
     "remote_reward",
     f"{_R}.interfaces.reward:RemoteRewardInterface",
     RemoteRewardArgs,
@@ -302,6 +311,7 @@ for _name, _fn, _doc in [
 _WORKFLOWS: list[tuple[str, str, type[BaseModel]]] = [
     ("tool_use", "agents.workflows:ToolUseWorkflow", ToolUseArgs),
     ("function_calling", "agents.function_calling:FunctionCallingWorkflow", FunctionCallingArgs),
+    ("openenv", "agents.openenv:OpenEnvWorkflow", OpenEnvArgs),
 ]
 for _name, _target, _args in _WORKFLOWS:
     WORKFLOWS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__ or "", "builtin"))

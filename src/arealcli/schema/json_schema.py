@@ -10,7 +10,7 @@ Shipped recipes point at the repository's copy with a modeline:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
@@ -47,17 +47,24 @@ class JudgeReward(JudgeSettings):
     )
 
 
+class EnvironmentReward(StrictModel):
+    """A preset's reward given by the environment of the actor's workflow (interface env_reward)."""
+
+    environment: Literal[True] = Field(description="true: the rewards the environment gave the episodes.")
+
+
 class PresetDataflow(StrictModel):
     """A dataflow written as a named preset (see `areal check --print` for the calls it expands to)."""
 
     preset: str = Field(description="sft, grpo, ppo or distill.", json_schema_extra={"enum": list(PRESETS)})
     actor: PPOActorArgs | None = Field(None, description="ppo_actor args (grpo, ppo, distill).")
     critic: PPOCriticArgs | None = Field(None, description="ppo_critic args (ppo).")
-    reward: RewardArgs | ModelReward | RemoteRewardArgs | JudgeReward | None = Field(
+    reward: RewardArgs | ModelReward | RemoteRewardArgs | JudgeReward | EnvironmentReward | None = Field(
         None,
         description="reward interface args, {model: NAME}: a trained reward model scores each sample, "
-        "{url: ...}: a reward service does (remote_reward), or {judge: NAME or URL, template, parse}: a "
-        "judge model asked about each sample (judge_reward).",
+        "{url: ...}: a reward service does (remote_reward), {judge: NAME or URL, template, parse}: a "
+        "judge model asked about each sample (judge_reward), or {environment: true}: the actor's "
+        "workflow's environment scores (env_reward).",
     )
     shaping: RewardShaping | None = Field(None, description="Reward shaping + KL for the actor and critic.")
     mb_spec: MicroBatchSpec | None = Field(None, description="Micro-batch split of every call.")

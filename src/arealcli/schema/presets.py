@@ -6,7 +6,8 @@
       critic: {...}              # ppo_critic args (ppo only)
       reward: {reward_fn: math}  # reward interface args; {model: NAME}: a trained reward model scores;
                                  # {url: http://...}: a reward service scores (remote_reward);
-                                 # {judge: NAME|URL, template, parse}: a judge model (judge_reward)
+                                 # {judge: NAME|URL, template, parse}: a judge model (judge_reward);
+                                 # {environment: true}: the workflow's environment scored (env_reward)
       shaping: {...}             # reward shaping + KL (the returns call's; the actor's loss reads kl_in_reward)
       mb_spec: {...}             # micro-batch split of every call
       sft_warmup_steps: 0        # SFT on the actor's dataset answers before RL starts
@@ -144,6 +145,8 @@ class _RL:
         # episodes (a workflow): `loss_mask` marks the model's own tokens for the reward (its final answer),
         # the returns and the updates (tool output never trains)
         episode = ["loss_mask"] if actor.get("workflow") is not None else []
+        if isinstance(reward, dict) and reward.get("environment"):  # the workflow's environment scores
+            episode.append("env_rewards")
         return cls(
             df,
             models,
@@ -192,6 +195,9 @@ def _reward(g: _RL) -> None:
         return
     args = dict(g.df.get("reward") or {})
     model = args.pop("model", None)
+    if args.pop("environment", None):  # the episodes' rewards, as the environment gave them
+        g.add("reward", _call("reward", None, "env_reward", args, "inference", ["env_rewards"], ["rewards"]))
+        return
     if "judge" in args:  # a judge: a model of the recipe, or an OpenAI-compatible server's URL
         judge = args.pop("judge")
         is_url = isinstance(judge, str) and judge.startswith(("http://", "https://"))
@@ -365,8 +371,9 @@ class PresetSpec(StrictModel):
         None,
         description="reward interface args ({reward_fn: NAME}), {model: NAME}: a trained reward model of "
         "the recipe scores each sample (interface rm_reward), {url: ...}: a reward service "
-        "(interface remote_reward), or {judge: NAME or URL, template: ..., parse: ...}: a judge model "
-        "asked about each sample (interface judge_reward).",
+        "(interface remote_reward), {judge: NAME or URL, template: ..., parse: ...}: a judge model "
+        "asked about each sample (interface judge_reward), or {environment: true}: the rewards the "
+        "actor's workflow's environment gave (interface env_reward).",
     )
     shaping: dict[str, Any] | None = Field(
         None, description="Reward shaping + KL (the returns call's, computed once for actor and critic)."

@@ -77,6 +77,9 @@ class Episode:
     prompt: list[int] | None = None  # the episode's own prompt, when not the dataset's (an agent's rendering)
     # pictures tools returned, as the model reads them ((pixel_values, image_grid_thw) each), in order
     images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # an environment's score of the episode (None: the dataflow's reward scores it) and its own numbers
+    reward: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class ToolUseWorkflow:

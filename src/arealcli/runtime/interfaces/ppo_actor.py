@@ -146,6 +146,11 @@ class PPOActorInterface(ModelInterface):
         if images is not None:  # the prompt's pictures, then those the tools returned, in order
             seen = [stacked([im, *ep.images]) for im, ep in zip(images, episodes, strict=True)]
             keys["pixel_values"], keys["image_grid_thw"] = [x[0] for x in seen], [x[1] for x in seen]
+        scored = [ep.reward for ep in episodes if ep.reward is not None]
+        if scored:  # an environment scored its episodes: `env_reward` hands these on as the rewards
+            if len(scored) != len(episodes):
+                raise RuntimeError("an environment workflow scored some of its episodes and not others")
+            keys["env_rewards"] = [torch.tensor([float(ep.reward or 0.0)]) for ep in episodes]
         out = SequenceSample.from_lists(rep.ids, keys, {"version": versions, "version_last": lasts})
         n = max(len(episodes), 1)
         out.stats = {
@@ -156,6 +161,11 @@ class PPOActorInterface(ModelInterface):
             "episode/tool_errors": sum(ep.tool_errors for ep in episodes) / n,
             "episode/tokens": sum(len(ep.tokens) for ep in episodes) / n,
         }
+        if scored:
+            out.stats["env/reward"] = sum(scored) / n
+        for name in sorted({k for ep in episodes for k in ep.metrics}):  # the environment's own numbers
+            values = [ep.metrics[name] for ep in episodes if name in ep.metrics]
+            out.stats[f"env/{name}"] = sum(values) / len(values)
         return out
 
     # ------------------------------------------------------------------ inference: compute_logp

@@ -15,6 +15,7 @@ from arealcli.runtime.rewards.judge import Ask, Judge, ask_url
 from arealcli.runtime.rewards.remote import RemoteReward
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.interfaces import (
+    EnvRewardArgs,
     JudgeRewardArgs,
     JudgeSettings,
     RemoteRewardArgs,
@@ -42,6 +43,17 @@ def _rewards(data: SequenceSample, scores: list[float]) -> SequenceSample:
     return SequenceSample(
         data.ids, {"rewards": [1] * data.bs}, {"rewards": torch.tensor(scores, dtype=torch.float32)}
     )
+
+
+class EnvRewardInterface(ModelInterface):
+    """The rewards an environment gave its episodes (`env_rewards`, made by the generating call's
+    workflow), as they are."""
+
+    Args = EnvRewardArgs
+    needs_model = False
+
+    def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        return _rewards(data, data.data["env_rewards"].float().tolist())
 
 
 class RemoteRewardInterface(ModelInterface):

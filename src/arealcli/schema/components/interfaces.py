@@ -313,6 +313,11 @@ class RewardArgs(StrictModel):
     _known = field_validator("reward_fn")(_registered_reward)
 
 
+class EnvRewardArgs(StrictModel):
+    """The rewards an environment gave its episodes (an environment workflow's `env_rewards`, e.g.
+    openenv's summed step rewards), as they are."""
+
+
 def _http_url(url: str, what: str) -> str:
     from urllib.parse import urlsplit
 

@@ -91,3 +91,65 @@ class FunctionCallingArgs(AgentArgs, ToolSet):
                 f"max_requests ({self.max_requests}) must allow max_turns ({self.max_turns}) replies"
             )
         return self
+
+
+class OpenEnvArgs(StrictModel):
+    """An OpenEnv environment (served over HTTP/WebSocket by openenv's server): reset, then the model acts
+    and the environment steps, up to max_turns; the episode's reward is the sum of the step rewards.
+
+    Each episode holds one WebSocket session (`/ws`): `reset` with `reset_args` (text values formatted with
+    the dataset's `{prompt}`), the observation written to the model with `observation_template` (its
+    fields; the first one is the episode's prompt), the model's text sent as the action (`action_field`:
+    {field: text}; unset: the text is the action's JSON), the next observation appended (never trained),
+    until the environment says done. Rewards need `reward: {environment: true}` in the dataflow."""
+
+    url: str | None = Field(None, description="A running environment server (http://host:port).")
+    app: str | None = Field(
+        None,
+        description="Start the environment server with the run: `module:app` (an ASGI app, e.g. openenv's "
+        "`create_app(...)`), served by uvicorn on a free local port; modules are found in the current "
+        "directory and beside the recipe.",
+    )
+    reset_args: dict[str, object] = Field(
+        default_factory=dict,
+        description="Keyword arguments of `reset`; text values are formatted with {prompt}: the dataset's prompt.",
+    )
+    action_field: str | None = Field(
+        None,
+        min_length=1,
+        description="The action field the model's text goes in ({field: text}); unset: the model writes the "
+        "action as JSON.",
+    )
+    observation_template: str = Field(
+        "{observation}",
+        min_length=1,
+        description="How an observation is shown to the model: format fields are its fields ({observation}: "
+        "all of them as JSON).",
+    )
+    max_turns: PositiveInt = Field(1, le=64, description="Actions per episode.")
+    max_total_tokens: PositiveInt = Field(
+        64,
+        le=1 << 20,
+        description="Token budget of an episode after its prompt (model and observation tokens).",
+    )
+    sessions: PositiveInt = Field(
+        64,
+        le=4096,
+        description="WebSocket sessions at once (the server's max_concurrent_envs); more episodes run in waves.",
+    )
+    timeout_s: float = Field(60.0, gt=0, description="Longest wait for one reply of the environment.")
+    start_timeout_s: float = Field(
+        60.0, gt=0, description="Longest wait for a started server to answer /health."
+    )
+
+    @model_validator(mode="after")
+    def _one_server(self) -> OpenEnvArgs:
+        if (self.url is None) == (self.app is None):
+            raise ValueError(
+                "give the environment's server: url (running) or app (module:app, started by the run)"
+            )
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be http(s)://host:port, got {self.url!r}")
+        if self.app is not None and ":" not in self.app:
+            raise ValueError(f"app is module:attribute (e.g. my_env.server.app:app), got {self.app!r}")
+        return self

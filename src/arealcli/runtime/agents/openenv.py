@@ -1,0 +1,267 @@
+"""Episodes in an OpenEnv environment: the environment resets, the model acts, the environment steps.
+
+OpenEnv (openenv-core) serves an environment over HTTP and WebSocket: `/health`, and `/ws`, where one
+connection is one environment instance (its HTTP `/reset` and `/step` build a fresh one per request, so
+episodes use the socket). The messages are JSON:
+
+    >> {"type": "reset", "data": {...reset kwargs}}   << {"type": "observation", "data": {"observation": {...},
+    >> {"type": "step", "data": {...action fields}}                                 "reward": r, "done": d}}
+    >> {"type": "close"}                              << {"type": "error", "data": {"message", "code"}}
+
+One episode per prompt, the prompts of a batch turn by turn (each turn one batched generate call on the
+model's engine, as `tool_use` does):
+
+    observation <- reset(reset_args)                      the episode's prompt: the observation, rendered
+    repeat up to max_turns:
+        text <- generate(tokens)                          (mask: True)
+        observation, reward, done <- step(action of text)
+        if done: stop; else tokens += rendered observation   (mask: False)
+
+The episode's reward is the sum of its step rewards (`Episode.reward`; the dataflow's `env_reward` call
+reads it). A step the environment refuses (an action that does not validate) ends the episode with the
+rewards so far and counts in `env/errors`. The server is given (`url`) or started with the run (`app`:
+uvicorn on a free local port, stopped with the workflow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from arealcli.errors import UserError
+from arealcli.runtime.agents.workflows import Episode
+from arealcli.runtime.data.sample import SequenceSample
+from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+from arealcli.schema.components.workflows import OpenEnvArgs
+
+
+class EnvironmentError_(RuntimeError):
+    """The environment refused a message (its `error` reply) or did not answer in time."""
+
+
+class EnvServer:
+    """An environment server started with the run: `python -m uvicorn APP` on a free local port, with this
+    process's module path (the current directory, beside the recipe); stopped by `stop`."""
+
+    def __init__(self, app: str, start_timeout_s: float):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+        cmd = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--log-level", "warning"]
+        self.log = tempfile.TemporaryFile("w+")  # its output: a pipe nobody read would fill and stop it
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                err = self.log.read().strip().splitlines()
+                raise UserError(
+                    f"the environment server {app} exited: {err[-1] if err else self.proc.returncode}"
+                )
+            if _healthy(self.url):
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise UserError(
+            f"the environment server {app} did not answer {self.url}/health in {start_timeout_s:g} s"
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _healthy(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+class Session:
+    """One environment instance: a WebSocket to the server's `/ws`."""
+
+    def __init__(self, ws, timeout_s: float):
+        self.ws, self.timeout_s = ws, timeout_s
+
+    async def ask(self, kind: str, data: dict[str, Any]) -> tuple[dict[str, Any], float | None, bool]:
+        """(observation, reward, done) of a reset or step."""
+        await self.ws.send_str(json.dumps({"type": kind, "data": data}))
+        try:
+            msg = await asyncio.wait_for(self.ws.receive(), self.timeout_s)
+        except TimeoutError:
+            raise EnvironmentError_(f"no answer to {kind} within {self.timeout_s:g} s") from None
+        try:
+            reply = json.loads(msg.data)
+        except (TypeError, ValueError):
+            raise EnvironmentError_(f"the environment's answer to {kind} is not JSON ({msg.type})") from None
+        body = reply.get("data") or {}
+        if reply.get("type") == "error":
+            raise EnvironmentError_(f"{kind}: {body.get('message', 'error')} ({body.get('code', '')})")
+        observation = body.get("observation") or {}
+        reward = body.get("reward")
+        return observation, float(reward) if isinstance(reward, int | float) else None, bool(body.get("done"))
+
+    async def close(self) -> None:
+        try:
+            await self.ws.send_str(json.dumps({"type": "close"}))
+        finally:
+            await self.ws.close()
+
+
+class OpenEnvWorkflow:
+    """Episodes in an OpenEnv environment (see the module doc)."""
+
+    Args = OpenEnvArgs
+
+    def __init__(self, args: OpenEnvArgs):
+        self.args = args
+        self.server: EnvServer | None = None
+
+    def url(self) -> str:
+        if self.args.url is not None:
+            return self.args.url.rstrip("/")
+        if self.server is None:
+            assert self.args.app is not None
+            self.server = EnvServer(self.args.app, self.args.start_timeout_s)
+        return self.server.url
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def render(self, observation: dict[str, Any]) -> str:
+        fields = {**observation, "observation": json.dumps(observation, sort_keys=True)}
+        try:
+            return self.args.observation_template.format(**fields)
+        except (KeyError, IndexError, ValueError) as e:
+            raise UserError(
+                f"openenv observation_template {self.args.observation_template!r} does not fit the observation "
+                f"(fields {sorted(observation)}): {e}"
+            ) from None
+
+    def action(self, text: str) -> dict[str, Any]:
+        if self.args.action_field is not None:
+            return {self.args.action_field: text.strip()}
+        try:
+            action = json.loads(text)
+        except ValueError:
+            return {"_unparsed": text}  # refused by the environment: an error, the episode ends
+        return action if isinstance(action, dict) else {"_unparsed": text}
+
+    def run(
+        self, engine, tokenizer, prompts: list[list[int]], gconfig: GenerationHyperparameters
+    ) -> list[Episode]:
+        texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
+        episodes: list[Episode] = []
+        for start in range(0, len(prompts), self.args.sessions):
+            wave = texts[start : start + self.args.sessions]
+            episodes += asyncio.run(self._wave(engine, tokenizer, wave, gconfig))
+        return episodes
+
+    async def _wave(self, engine, tokenizer, texts: list[str], gconfig) -> list[Episode]:
+        import aiohttp
+
+        a = self.args
+        url = self.url()
+        ws_url = ("wss://" if url.startswith("https://") else "ws://") + url.split("://", 1)[1] + "/ws"
+        episodes = [Episode(metrics={"steps": 0.0, "errors": 0.0}) for _ in texts]
+        eos = {tokenizer.eos_token_id, *gconfig.stop_token_ids}
+        async with aiohttp.ClientSession(trust_env=False) as http:
+            connect = aiohttp.ClientWSTimeout(ws_receive=a.timeout_s, ws_close=a.timeout_s)
+            sessions = [
+                Session(
+                    await asyncio.wait_for(
+                        http.ws_connect(ws_url, max_msg_size=0, timeout=connect), a.timeout_s
+                    ),
+                    a.timeout_s,
+                )
+                for _ in texts
+            ]
+            try:
+                starts = await asyncio.gather(
+                    *(s.ask("reset", self._reset_args(t)) for s, t in zip(sessions, texts, strict=True))
+                )
+                for ep, (obs, _, _) in zip(episodes, starts, strict=True):
+                    ep.prompt = tokenizer(self.render(obs), add_special_tokens=False)["input_ids"]
+                    ep.reward = 0.0
+                active = list(range(len(texts)))
+                for _turn in range(a.max_turns):
+                    active = [i for i in active if len(episodes[i].tokens) < a.max_total_tokens]
+                    if not active:
+                        break
+                    room = max(a.max_total_tokens - len(episodes[i].tokens) for i in active)
+                    g = gconfig.model_copy(update={"max_new_tokens": min(gconfig.max_new_tokens, room)})
+                    seqs = [torch.tensor((episodes[i].prompt or []) + episodes[i].tokens) for i in active]
+                    batch = SequenceSample.from_lists(list(range(len(active))), {"packed_prompts": seqs})
+                    out = engine.generate(batch, MicroBatchSpec(), tokenizer, g)
+                    steps = []
+                    for j, i in enumerate(active):
+                        ep = episodes[i]
+                        left = a.max_total_tokens - len(ep.tokens)
+                        ids, lps = list(out.output_ids[j][:left]), list(out.logprobs[j][:left])
+                        ep.tokens += ids
+                        ep.mask += [True] * len(ids)
+                        ep.logprobs += lps
+                        ep.turns += 1
+                        ep.final = ids
+                        ep.no_eos = not (ids and ids[-1] in eos)
+                        if out.versions is not None and out.versions[j] is not None:
+                            ep.versions += [out.versions[j], (out.last_versions or out.versions)[j]]
+                        text = tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
+                        steps.append(sessions[i].ask("step", self.action(text)))
+                    results = await asyncio.gather(*steps, return_exceptions=True)
+                    still = []
+                    for i, result in zip(active, results, strict=True):
+                        ep = episodes[i]
+                        ep.metrics["steps"] += 1
+                        if isinstance(result, EnvironmentError_):
+                            ep.metrics["errors"] += 1
+                            continue
+                        if isinstance(result, BaseException):
+                            raise result
+                        obs, reward, done = result
+                        ep.reward = (ep.reward or 0.0) + (reward or 0.0)
+                        if done:
+                            continue
+                        shown = tokenizer(self.render(obs), add_special_tokens=False)["input_ids"]
+                        shown = shown[: a.max_total_tokens - len(ep.tokens)]
+                        ep.tokens += shown
+                        ep.mask += [False] * len(shown)
+                        ep.logprobs += [0.0] * len(shown)
+                        ep.final = []
+                        still.append(i)
+                    active = still
+            finally:
+                await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+        return episodes
+
+    def _reset_args(self, prompt: str) -> dict[str, Any]:
+        return {
+            k: v.format(prompt=prompt) if isinstance(v, str) else v for k, v in self.args.reset_args.items()
+        }
