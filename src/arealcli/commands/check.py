@@ -16,6 +16,7 @@ from arealcli.commands.common import (
     recipe_argument,
     say_error,
 )
+from arealcli.runtime.agents.reachable import workflow_problems
 from arealcli.runtime.data.images import image_problems
 from arealcli.schema.paths import path_problems
 
@@ -41,6 +42,7 @@ def check(
         f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems if not p.missing
     ]
     errors += image_problems(resolved, recipe.resolve().parent)
+    errors += workflow_problems(resolved)
     if errors:
         raise fail(errors)
     if print_:

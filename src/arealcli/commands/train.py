@@ -17,6 +17,7 @@ from arealcli.commands.common import (
     voice,
 )
 from arealcli.errors import UserError
+from arealcli.runtime.agents.reachable import workflow_problems
 from arealcli.runtime.data.images import image_problems
 from arealcli.runtime.run import supervise
 from arealcli.runtime.run.launch import LaunchSpec
@@ -113,6 +114,7 @@ def train(
     problems = path_problems(resolved, recipe.resolve().parent)
     errors = [f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems]
     errors += image_problems(resolved, recipe.resolve().parent)
+    errors += workflow_problems(resolved)
     if errors:
         raise fail(errors)
     run_dir = run_dir_for(resolved, output_dir)

@@ -211,7 +211,7 @@ class OpenEnvWorkflow:
                     ep.prompt = tokenizer(self.render(obs), add_special_tokens=False)["input_ids"]
                     ep.reward = 0.0
                 active = list(range(len(texts)))
-                for _turn in range(a.max_turns):
+                for turn in range(a.max_turns):
                     active = [i for i in active if len(episodes[i].tokens) < a.max_total_tokens]
                     if not active:
                         break
@@ -247,7 +247,7 @@ class OpenEnvWorkflow:
                             raise result
                         obs, reward, done = result
                         ep.reward = (ep.reward or 0.0) + (reward or 0.0)
-                        if done:
+                        if done or turn == a.max_turns - 1:  # over: no observation to show
                             continue
                         shown = tokenizer(self.render(obs), add_special_tokens=False)["input_ids"]
                         shown = shown[: a.max_total_tokens - len(ep.tokens)]

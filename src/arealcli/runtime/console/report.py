@@ -12,12 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 # panel title -> which metric keys go there: a suffix after the last "/" ("reward"), a whole key
-# ("timing/step_s"), or "eval/<suffix>" for held-out metrics ("eval/pass@*": every k). Titles ending in
-# "{}" get a panel per key.
+# ("timing/step_s"), or "eval/<suffix>" for held-out metrics ("eval/pass@*": every k); "env/*": an
+# environment's own numbers (`<call>/env/<name>`, its reward aside). Titles ending in "{}" get a panel per key.
 PANELS: list[tuple[str, tuple[str, ...]]] = [
     ("reward (sampled rollouts)", ("reward",)),
     ("held-out accuracy / reward", ("eval/accuracy", "eval/reward", "eval/pairwise_accuracy")),
     ("held-out NLL", ("eval/nll",)),
+    ("environment", ("env/*",)),
     ("held-out with samples", ("eval/pass@*", "eval/avg@*", "eval/maj@*")),
     ("loss: {}", ("loss",)),
     ("KL", ("kl_ref", "kl_loss", "approx_kl")),
@@ -46,6 +47,10 @@ def _panel_keys(rows: list[dict], patterns: tuple[str, ...]) -> list[str]:
     for k in keys:
         suffix = k.rsplit("/", 1)[-1]
         for p in patterns:
+            if p == "env/*":
+                if "/env/" in k and suffix != "reward":
+                    out.append(k)
+                continue
             wanted = p[len("eval/") :]
             if p.startswith("eval/") and k.startswith("eval/") and p.endswith("*"):
                 if suffix.startswith(wanted[:-1]):
