@@ -123,7 +123,7 @@ def test_check_names_what_is_wrong_with_the_environment(tmp_path, cli):
 
 
 @pytest.mark.slow
-def test_the_openenv_quickstart_reward_rises(tmp_path):
+def test_the_openenv_quickstart_reward_rises(tmp_path, cli, monkeypatch):
     from tests.test_quickstart import train
 
     run = tmp_path / "run"
@@ -135,3 +135,11 @@ def test_the_openenv_quickstart_reward_rises(tmp_path):
     assert len(rewards) == 6
     assert sum(rewards[-2:]) / 2 >= rewards[0] + 0.1, rewards  # the environment's reward rises
     assert sum(steps[-2:]) / 2 < steps[0]  # more answers right at the first attempt
+
+    # `areal eval RUN` from another folder starts the environment from the run's recipe.yaml (app_dir)
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "eval.json"
+    result = cli("eval", run, "--n", 1, "-o", out)
+    assert result.exit_code == 0, result.output
+    final = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r][-1]
+    assert abs(json.loads(out.read_text())["metrics"]["greedy_accuracy"] - final) <= 0.02

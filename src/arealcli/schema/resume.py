@@ -91,4 +91,9 @@ def with_absolute_paths(data: dict[str, Any], recipe_dir: Path) -> dict[str, Any
     fix(data.get("tokenizer"), "path")
     for key in ("dataset", "eval_dataset"):
         fix((data.get(key) or {}).get("args"), "path")
+    for call in (data.get("dataflow") or {}).get("calls") or []:  # an environment server's module: the
+        workflow = ((call.get("interface") or {}).get("args") or {}).get("workflow")  # recipe's folder
+        args = workflow.get("args") if isinstance(workflow, dict) else None
+        if isinstance(args, dict) and args.get("app") and not args.get("app_dir"):
+            args["app_dir"] = str(recipe_dir.resolve())
     return data

@@ -26,6 +26,7 @@ uvicorn on a free local port, stopped with the workflow).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import socket
@@ -39,6 +40,7 @@ import torch
 
 from arealcli.errors import UserError
 from arealcli.runtime.agents.workflows import Episode
+from arealcli.runtime.clients.launcher import child_env, die_with_parent
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.workflows import OpenEnvArgs
@@ -52,17 +54,26 @@ class EnvServer:
     """An environment server started with the run: `python -m uvicorn APP` on a free local port, with this
     process's module path (the current directory, beside the recipe); stopped by `stop`."""
 
-    def __init__(self, app: str, start_timeout_s: float):
+    def __init__(self, app: str, start_timeout_s: float, app_dir: str | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+        path = [app_dir] if app_dir else []
+        path += [p for p in sys.path if p and os.path.isdir(p)]
+        env = {**child_env(), "PYTHONPATH": os.pathsep.join(path)}  # no key of the run's
         cmd = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--log-level", "warning"]
         self.log = tempfile.TemporaryFile("w+")  # its output: a pipe nobody read would fill and stop it
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            cmd,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=die_with_parent,  # not left behind if the run is killed
         )
+        atexit.register(self.stop)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
@@ -144,7 +155,7 @@ class OpenEnvWorkflow:
             return self.args.url.rstrip("/")
         if self.server is None:
             assert self.args.app is not None
-            self.server = EnvServer(self.args.app, self.args.start_timeout_s)
+            self.server = EnvServer(self.args.app, self.args.start_timeout_s, self.args.app_dir)
         return self.server.url
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ directory, beside the recipe)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Any
 
 
@@ -16,7 +17,10 @@ def workflow_problems(recipe) -> list[str]:
         if workflow is None or workflow.type_ != "openenv" or getattr(workflow.args, "app", None) is None:
             continue
         module = workflow.args.app.split(":", 1)[0]
+        app_dir = workflow.args.app_dir
         try:
+            if app_dir and app_dir not in sys.path:
+                sys.path.insert(0, app_dir)
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):  # a parent package is missing, or the name is not a module's
             found = False

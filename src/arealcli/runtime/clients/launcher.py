@@ -168,7 +168,7 @@ except OSError:
 _PR_SET_PDEATHSIG, _SIGTERM = 1, int(signal.SIGTERM)
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Runs in the child between fork and exec (so: no imports, no locks): SIGTERM when the parent dies."""
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, _SIGTERM)
@@ -178,7 +178,7 @@ def _child_setup(cpus: set[int] | None) -> Callable[[], None]:
     """What runs in a server's child process before exec: die with the parent, run on `cpus`."""
 
     def setup() -> None:
-        _die_with_parent()
+        die_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)  # the child has one thread: this is the process's mask
 
@@ -410,7 +410,7 @@ class Supervisor:
     `window_s` seconds; one more failure in the window is given up (GenerationServerError).
 
     Restarts run on a thread of the supervisor's own that lives as long as the servers (a child started
-    from a thread gets SIGTERM when that thread ends: `_die_with_parent`)."""
+    from a thread gets SIGTERM when that thread ends: `die_with_parent`)."""
 
     def __init__(
         self,

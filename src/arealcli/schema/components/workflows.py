@@ -110,6 +110,11 @@ class OpenEnvArgs(StrictModel):
         "`create_app(...)`), served by uvicorn on a free local port; modules are found in the current "
         "directory and beside the recipe.",
     )
+    app_dir: str | None = Field(
+        None,
+        description="A folder to find app's module in, before the current directory and the recipe's (the "
+        "run's recipe.yaml records the recipe's folder here, so `areal eval RUN` and resume find it).",
+    )
     reset_args: dict[str, object] = Field(
         default_factory=dict,
         description="Keyword arguments of `reset`; text values are formatted with {prompt}: the dataset's prompt.",
