@@ -28,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import logging
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -44,6 +46,8 @@ from arealcli.runtime.clients.launcher import child_env, die_with_parent
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.workflows import OpenEnvArgs
+
+logger = logging.getLogger(__name__)
 
 
 class EnvironmentError_(RuntimeError):
@@ -64,15 +68,35 @@ class EnvServer:
         cmd = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--log-level", "warning"]
         self.log = tempfile.TemporaryFile("w+")  # its output: a pipe nobody read would fill and stop it
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            preexec_fn=die_with_parent,  # not left behind if the run is killed
-        )
+        # started from a thread of its own that lives as long as it: the child gets SIGTERM when the
+        # thread that started it ends (`die_with_parent`), so not when a rollout or eval thread ends, but
+        # when the run does, however it ends
+        started: list[subprocess.Popen | BaseException] = []
+        ready, self._done = threading.Event(), threading.Event()
+
+        def keep() -> None:
+            try:
+                started.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=env,
+                        stdout=self.log,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        start_new_session=True,
+                        preexec_fn=die_with_parent,
+                    )
+                )
+            except BaseException as e:  # raised below, in the caller
+                started.append(e)
+            ready.set()
+            self._done.wait()
+
+        threading.Thread(target=keep, name=f"env-server-{self.port}", daemon=True).start()
+        ready.wait()
+        if isinstance(started[0], BaseException):
+            raise started[0]
+        self.proc = started[0]
         atexit.register(self.stop)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + start_timeout_s
@@ -98,7 +122,12 @@ class EnvServer:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self._done.set()
         self.log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
 
 def _healthy(url: str) -> bool:
@@ -153,6 +182,10 @@ class OpenEnvWorkflow:
     def url(self) -> str:
         if self.args.url is not None:
             return self.args.url.rstrip("/")
+        if self.server is not None and not self.server.alive:  # it died: started again, said once
+            logger.warning("the environment server %s exited; starting it again", self.args.app)
+            self.server.stop()
+            self.server = None
         if self.server is None:
             assert self.args.app is not None
             self.server = EnvServer(self.args.app, self.args.start_timeout_s, self.args.app_dir)

@@ -38,7 +38,9 @@ def default_metrics(calls: Iterable) -> list[str]:
     losses: list[str] = []
     for c in calls:
         workflow = getattr(c.interface.args, "workflow", None)
-        if c.type == "generate" and workflow is not None:  # episodes: how often the model calls a tool
+        if c.type == "generate" and workflow is not None and workflow.type_ == "openenv":  # its steps
+            tools += [f"{c.name}/env/steps", f"{c.name}/env/errors"]
+        elif c.type == "generate" and workflow is not None:  # episodes: how often the model calls a tool
             tools += [f"{c.name}/episode/tool_call_rate", f"{c.name}/episode/turns"]
         if c.type != "train_step":
             continue

@@ -156,13 +156,14 @@ class PPOActorInterface(ModelInterface):
         out.stats = {
             "generated_tokens": float(sum(sum(ep.mask) for ep in episodes)),
             "episode/turns": sum(ep.turns for ep in episodes) / n,
-            "episode/tool_calls": sum(ep.tool_calls for ep in episodes) / n,
-            "episode/tool_call_rate": sum(ep.tool_calls > 0 for ep in episodes) / n,
-            "episode/tool_errors": sum(ep.tool_errors for ep in episodes) / n,
             "episode/tokens": sum(len(ep.tokens) for ep in episodes) / n,
         }
-        if scored:
+        if scored:  # an environment's episodes: its reward and numbers (below), no tools of ours
             out.stats["env/reward"] = sum(scored) / n
+        else:
+            out.stats["episode/tool_calls"] = sum(ep.tool_calls for ep in episodes) / n
+            out.stats["episode/tool_call_rate"] = sum(ep.tool_calls > 0 for ep in episodes) / n
+            out.stats["episode/tool_errors"] = sum(ep.tool_errors for ep in episodes) / n
         for name in sorted({k for ep in episodes for k in ep.metrics}):  # the environment's own numbers
             values = [ep.metrics[name] for ep in episodes if name in ep.metrics]
             out.stats[f"env/{name}"] = sum(values) / len(values)
