@@ -8,6 +8,9 @@ episodes use the socket). The messages are JSON:
     >> {"type": "step", "data": {...action fields}}                                 "reward": r, "done": d}}
     >> {"type": "close"}                              << {"type": "error", "data": {"message", "code"}}
 
+Sessions stay open between episodes (a reset starts the next one on the same environment instance):
+a pool of them, on an event loop of the workflow's own; generation runs in the caller's thread.
+
 One episode per prompt, the prompts of a batch turn by turn (each turn one batched generate call on the
 model's engine, as `tool_use` does):
 
@@ -44,6 +47,7 @@ from arealcli.errors import UserError
 from arealcli.runtime.agents.workflows import Episode
 from arealcli.runtime.clients.launcher import child_env, die_with_parent
 from arealcli.runtime.data.sample import SequenceSample
+from arealcli.runtime.engines.inference import EventLoopThread
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.workflows import OpenEnvArgs
 
@@ -170,6 +174,63 @@ class Session:
             await self.ws.close()
 
 
+class SessionPool:
+    """Open sessions kept between waves and steps (a connection costs more than a reset), on an event
+    loop of their own; a session that failed is closed, not reused."""
+
+    def __init__(self, url: str, timeout_s: float):
+        self.url, self.timeout_s = url, timeout_s
+        self.loop = EventLoopThread()
+        self.idle: list[Session] = []
+        self.http: Any = None
+        self.closed = False
+
+    def run(self, coro) -> Any:
+        return self.loop.run(coro)
+
+    async def take(self, n: int) -> list[Session]:
+        import aiohttp
+
+        if self.http is None:  # no cap on connections: each session holds one (aiohttp's default is 100)
+            self.http = aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(limit=0))
+        ws_url = (
+            ("wss://" if self.url.startswith("https://") else "ws://") + self.url.split("://", 1)[1] + "/ws"
+        )
+        timeout = aiohttp.ClientWSTimeout(ws_receive=self.timeout_s, ws_close=self.timeout_s)
+
+        async def connect() -> Session:
+            ws = await asyncio.wait_for(
+                self.http.ws_connect(ws_url, max_msg_size=0, timeout=timeout), self.timeout_s
+            )
+            return Session(ws, self.timeout_s)
+
+        reused, self.idle = self.idle[:n], self.idle[n:]
+        return reused + list(await asyncio.gather(*(connect() for _ in range(n - len(reused)))))
+
+    async def give_back(self, sessions: list[Session], failed: set[int]) -> None:
+        await asyncio.gather(
+            *(s.close() for i, s in enumerate(sessions) if i in failed), return_exceptions=True
+        )
+        self.idle += [s for i, s in enumerate(sessions) if i not in failed]
+
+    async def _close_all(self) -> None:
+        await asyncio.gather(*(s.close() for s in self.idle), return_exceptions=True)
+        self.idle = []
+        if self.http is not None:
+            await self.http.close()
+
+    def close(self) -> None:
+        """Close the sessions and the loop (a few seconds at most; again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.loop.run(self._close_all(), timeout=5)
+        except Exception:  # the server went away first: nothing to close politely
+            pass
+        self.loop.close()
+
+
 class OpenEnvWorkflow:
     """Episodes in an OpenEnv environment (see the module doc)."""
 
@@ -178,12 +239,15 @@ class OpenEnvWorkflow:
     def __init__(self, args: OpenEnvArgs):
         self.args = args
         self.server: EnvServer | None = None
+        self.pool: SessionPool | None = None
+        self._lock = threading.Lock()
 
     def url(self) -> str:
         if self.args.url is not None:
             return self.args.url.rstrip("/")
         if self.server is not None and not self.server.alive:  # it died: started again, said once
             logger.warning("the environment server %s exited; starting it again", self.args.app)
+            self._drop_pool()
             self.server.stop()
             self.server = None
         if self.server is None:
@@ -191,13 +255,27 @@ class OpenEnvWorkflow:
             self.server = EnvServer(self.args.app, self.args.start_timeout_s, self.args.app_dir)
         return self.server.url
 
+    def sessions(self) -> SessionPool:
+        with self._lock:  # the rollout thread and an evaluation may both ask
+            url = self.url()
+            if self.pool is None or self.pool.url != url:
+                self._drop_pool()
+                self.pool = SessionPool(url, self.args.timeout_s)
+                atexit.register(
+                    self.pool.close
+                )  # while its loop's thread still runs (before the server stops)
+            return self.pool
+
+    def _drop_pool(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
     def close(self) -> None:
+        self._drop_pool()
         if self.server is not None:
             self.server.stop()
             self.server = None
-
-    def __del__(self) -> None:
-        self.close()
 
     def render(self, observation: dict[str, Any]) -> str:
         fields = {**observation, "observation": json.dumps(observation, sort_keys=True)}
@@ -224,85 +302,74 @@ class OpenEnvWorkflow:
         texts = [tokenizer.decode(p, skip_special_tokens=True) for p in prompts]
         episodes: list[Episode] = []
         for start in range(0, len(prompts), self.args.sessions):
-            wave = texts[start : start + self.args.sessions]
-            episodes += asyncio.run(self._wave(engine, tokenizer, wave, gconfig))
+            episodes += self._wave(engine, tokenizer, texts[start : start + self.args.sessions], gconfig)
         return episodes
 
-    async def _wave(self, engine, tokenizer, texts: list[str], gconfig) -> list[Episode]:
-        import aiohttp
-
+    def _wave(self, engine, tokenizer, texts: list[str], gconfig) -> list[Episode]:
+        """The episodes of `texts`, each on a session of the pool; generation runs here, in the caller's
+        thread, the environment's messages on the pool's loop."""
         a = self.args
-        url = self.url()
-        ws_url = ("wss://" if url.startswith("https://") else "ws://") + url.split("://", 1)[1] + "/ws"
+        pool = self.sessions()
         episodes = [Episode(metrics={"steps": 0.0, "errors": 0.0}) for _ in texts]
         eos = {tokenizer.eos_token_id, *gconfig.stop_token_ids}
-        async with aiohttp.ClientSession(trust_env=False) as http:
-            connect = aiohttp.ClientWSTimeout(ws_receive=a.timeout_s, ws_close=a.timeout_s)
-            sessions = [
-                Session(
-                    await asyncio.wait_for(
-                        http.ws_connect(ws_url, max_msg_size=0, timeout=connect), a.timeout_s
-                    ),
-                    a.timeout_s,
-                )
-                for _ in texts
-            ]
-            try:
-                starts = await asyncio.gather(
-                    *(s.ask("reset", self._reset_args(t)) for s, t in zip(sessions, texts, strict=True))
-                )
-                for ep, (obs, _, _) in zip(episodes, starts, strict=True):
-                    ep.prompt = tokenizer(self.render(obs), add_special_tokens=False)["input_ids"]
-                    ep.reward = 0.0
-                active = list(range(len(texts)))
-                for turn in range(a.max_turns):
-                    active = [i for i in active if len(episodes[i].tokens) < a.max_total_tokens]
-                    if not active:
-                        break
-                    room = max(a.max_total_tokens - len(episodes[i].tokens) for i in active)
-                    g = gconfig.model_copy(update={"max_new_tokens": min(gconfig.max_new_tokens, room)})
-                    seqs = [torch.tensor((episodes[i].prompt or []) + episodes[i].tokens) for i in active]
-                    batch = SequenceSample.from_lists(list(range(len(active))), {"packed_prompts": seqs})
-                    out = engine.generate(batch, MicroBatchSpec(), tokenizer, g)
-                    steps = []
-                    for j, i in enumerate(active):
-                        ep = episodes[i]
-                        left = a.max_total_tokens - len(ep.tokens)
-                        ids, lps = list(out.output_ids[j][:left]), list(out.logprobs[j][:left])
-                        ep.tokens += ids
-                        ep.mask += [True] * len(ids)
-                        ep.logprobs += lps
-                        ep.turns += 1
-                        ep.final = ids
-                        ep.no_eos = not (ids and ids[-1] in eos)
-                        if out.versions is not None and out.versions[j] is not None:
-                            ep.versions += [out.versions[j], (out.last_versions or out.versions)[j]]
-                        text = tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
-                        steps.append(sessions[i].ask("step", self.action(text)))
-                    results = await asyncio.gather(*steps, return_exceptions=True)
-                    still = []
-                    for i, result in zip(active, results, strict=True):
-                        ep = episodes[i]
-                        ep.metrics["steps"] += 1
-                        if isinstance(result, EnvironmentError_):
-                            ep.metrics["errors"] += 1
-                            continue
-                        if isinstance(result, BaseException):
-                            raise result
-                        obs, reward, done = result
-                        ep.reward = (ep.reward or 0.0) + (reward or 0.0)
-                        if done or turn == a.max_turns - 1:  # over: no observation to show
-                            continue
-                        shown = tokenizer(self.render(obs), add_special_tokens=False)["input_ids"]
-                        shown = shown[: a.max_total_tokens - len(ep.tokens)]
-                        ep.tokens += shown
-                        ep.mask += [False] * len(shown)
-                        ep.logprobs += [0.0] * len(shown)
-                        ep.final = []
-                        still.append(i)
-                    active = still
-            finally:
-                await asyncio.gather(*(s.close() for s in sessions), return_exceptions=True)
+        sessions = pool.run(pool.take(len(texts)))
+        failed: set[int] = set()
+
+        async def ask_all(calls: list[tuple[int, str, dict]]) -> list[Any]:
+            return await asyncio.gather(*(sessions[i].ask(k, d) for i, k, d in calls), return_exceptions=True)
+
+        try:
+            starts = pool.run(ask_all([(i, "reset", self._reset_args(t)) for i, t in enumerate(texts)]))
+            for i, start in enumerate(starts):
+                if isinstance(start, BaseException):
+                    failed.add(i)
+                    raise start
+                episodes[i].prompt = tokenizer(self.render(start[0]), add_special_tokens=False)["input_ids"]
+                episodes[i].reward = 0.0
+            active = list(range(len(texts)))
+            for turn in range(a.max_turns):
+                active = [i for i in active if len(episodes[i].tokens) < a.max_total_tokens]
+                if not active:
+                    break
+                room = max(a.max_total_tokens - len(episodes[i].tokens) for i in active)
+                g = gconfig.model_copy(update={"max_new_tokens": min(gconfig.max_new_tokens, room)})
+                seqs = [torch.tensor((episodes[i].prompt or []) + episodes[i].tokens) for i in active]
+                batch = SequenceSample.from_lists(list(range(len(active))), {"packed_prompts": seqs})
+                out = engine.generate(batch, MicroBatchSpec(), tokenizer, g)
+                steps = []
+                for j, i in enumerate(active):
+                    ep = episodes[i]
+                    left = a.max_total_tokens - len(ep.tokens)
+                    ids, lps = list(out.output_ids[j][:left]), list(out.logprobs[j][:left])
+                    ep.generated(ids, lps, out, j)
+                    ep.no_eos = not (ids and ids[-1] in eos)
+                    text = tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
+                    steps.append((i, "step", self.action(text)))
+                results = pool.run(ask_all(steps))
+                still = []
+                for i, result in zip(active, results, strict=True):
+                    ep = episodes[i]
+                    ep.metrics["steps"] += 1
+                    if isinstance(result, EnvironmentError_):
+                        ep.metrics["errors"] += 1
+                        failed.add(i)  # its session is closed, not reused
+                        continue
+                    if isinstance(result, BaseException):
+                        failed.add(i)
+                        raise result
+                    obs, reward, done = result
+                    ep.reward = (ep.reward or 0.0) + (reward or 0.0)
+                    if done or turn == a.max_turns - 1:  # over: no observation to show
+                        continue
+                    shown = tokenizer(self.render(obs), add_special_tokens=False)["input_ids"]
+                    ep.inserted(shown[: a.max_total_tokens - len(ep.tokens)])
+                    still.append(i)
+                active = still
+        except BaseException:
+            failed.update(range(len(sessions)))  # the wave failed: none is reused
+            raise
+        finally:
+            pool.run(pool.give_back(sessions, failed))
         return episodes
 
     def _reset_args(self, prompt: str) -> dict[str, Any]:

@@ -81,6 +81,23 @@ class Episode:
     reward: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def generated(self, ids: list[int], logprobs: list[float], out, j: int) -> None:
+        """Add turn `j` of a batched generate result `out`: the model's tokens (trained) and its versions."""
+        self.tokens += ids
+        self.mask += [True] * len(ids)
+        self.logprobs += logprobs
+        self.turns += 1
+        self.final = ids
+        if out.versions is not None and out.versions[j] is not None:
+            self.versions += [out.versions[j], (out.last_versions or out.versions)[j]]
+
+    def inserted(self, ids: list[int]) -> None:
+        """Add tokens a tool or an environment wrote (never trained; log-prob 0)."""
+        self.tokens += ids
+        self.mask += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.final = []
+
 
 class ToolUseWorkflow:
     """Generate; on a tool call run the tool and append its result; continue up to max_turns."""
@@ -168,13 +185,7 @@ class ToolUseWorkflow:
                 ep = episodes[i]
                 left = a.max_total_tokens - len(ep.tokens)
                 ids, lps = list(out.output_ids[j][:left]), list(out.logprobs[j][:left])
-                ep.tokens += ids
-                ep.mask += [True] * len(ids)
-                ep.logprobs += lps
-                ep.turns += 1
-                ep.final = ids
-                if out.versions is not None and out.versions[j] is not None:
-                    ep.versions += [out.versions[j], (out.last_versions or out.versions)[j]]
+                ep.generated(ids, lps, out, j)
                 ended = bool(ids) and not out.no_eos[j] and ids[-1] not in eos
                 called = ended and closes.matched(ids) is not None and turn < a.max_turns - 1
                 if not called:
@@ -190,10 +201,7 @@ class ToolUseWorkflow:
                 result_ids, seen = self._result_ids(tokenizer, result, a.max_total_tokens - len(ep.tokens))
                 if seen is not None:
                     ep.images.append(seen)
-                ep.tokens += result_ids
-                ep.mask += [False] * len(result_ids)
-                ep.logprobs += [0.0] * len(result_ids)
-                ep.final = []
+                ep.inserted(result_ids)
                 still.append(i)
             active = still
         return episodes
