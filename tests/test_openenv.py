@@ -118,6 +118,8 @@ def test_check_names_what_is_wrong_with_the_environment(tmp_path, cli):
     assert result.exit_code == 2 and "url (running) or app" in result.stderr
     result = check(app="max3_env.server.app")
     assert result.exit_code == 2 and "module:attribute" in result.stderr
+    result = check(app="max3_env.server.app:app", reset_args={"task": "{question}"})
+    assert result.exit_code == 2 and "reset_args.task names ['question']: only {prompt}" in result.stderr
     # the shipped recipe: its environment is found beside it
     assert cli("check", REPO / "recipes" / "openenv-quickstart.yaml").exit_code == 0
 

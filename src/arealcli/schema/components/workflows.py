@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import string
+
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from arealcli.schema.base import StrictModel
@@ -157,4 +159,15 @@ class OpenEnvArgs(StrictModel):
             raise ValueError(f"url must be http(s)://host:port, got {self.url!r}")
         if self.app is not None and ":" not in self.app:
             raise ValueError(f"app is module:attribute (e.g. my_env.server.app:app), got {self.app!r}")
+        for key, value in self.reset_args.items():
+            if not isinstance(value, str):
+                continue
+            try:
+                fields = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+            except ValueError as e:
+                raise ValueError(f"reset_args.{key}: {e} (a literal brace is written {{{{ or }}}})") from None
+            if fields - {"prompt"}:
+                raise ValueError(
+                    f"reset_args.{key} names {sorted(fields - {'prompt'})}: only {{prompt}} (the dataset's prompt) is filled in"
+                )
         return self
