@@ -99,6 +99,30 @@ def test_a_refused_action_ends_the_episode_and_counts(echo_env, char_tok, monkey
     assert ep.metrics == {"steps": 1.0, "errors": 1.0} and ep.reward == 0.0 and ep.turns == 1
 
 
+def test_a_running_server_given_by_url(echo_env, char_tok, monkeypatch):
+    """`url:` connects to a server that runs already (started here as a user would); the workflow leaves
+    it running when it closes, and episodes reuse their sessions across calls."""
+    from arealcli.runtime.agents.openenv import EnvServer, OpenEnvWorkflow
+    from arealcli.schema.components.engine import GenerationHyperparameters
+    from arealcli.schema.components.workflows import OpenEnvArgs
+
+    monkeypatch.syspath_prepend(str(echo_env))
+    server = EnvServer("echo_env.server.app:app", 60)
+    try:
+        workflow = OpenEnvWorkflow(OpenEnvArgs(url=server.url, action_field="message", sessions=1))
+        g = GenerationHyperparameters(max_new_tokens=4, min_new_tokens=4, temperature=1.0)
+        prompt = [char_tok("hi", add_special_tokens=False)["input_ids"]]
+        for _ in range(2):  # the second call resets the session the first one used
+            (ep,) = workflow.run(engine_for(char_tok), char_tok, prompt, g)
+            text = char_tok.decode([t for t, m in zip(ep.tokens, ep.mask, strict=True) if m])
+            assert ep.reward == pytest.approx(0.1 * len(text.strip())) and ep.metrics["errors"] == 0
+        assert workflow.pool is not None and len(workflow.pool.idle) == 1
+        workflow.close()
+        assert server.alive  # not the workflow's to stop
+    finally:
+        server.stop()
+
+
 def test_check_names_what_is_wrong_with_the_environment(tmp_path, cli):
     recipe = yaml.safe_load((REPO / "recipes" / "openenv-quickstart.yaml").read_text())
     for key in ("dataset", "eval_dataset"):
