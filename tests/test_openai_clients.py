@@ -422,3 +422,35 @@ def test_vllms_ignore_eos_runs_every_sample_to_max_tokens():
     assert default.sampling.min_new_tokens == default.sampling.max_new_tokens == 16
     with pytest.raises(ProtocolError, match="ignore_eos must be true or false"):
         parse_completion_request({"prompt": "x", "max_tokens": 2, "ignore_eos": "yes"})
+
+
+def test_token_in_token_out_generate(served, char_tok):
+    """vLLM's /inference/v1/generate (what token-level trainers' clients call): prompt ids in, the
+    sampled ids and their log-probs out as `token_id:<id>` entries, the in-process model's numbers."""
+    server, _, module = served
+    prompt = ids_of(char_tok, "max(3,9,4)=")
+    body = {
+        "token_ids": prompt,
+        "sampling_params": {"temperature": 0.0, "max_tokens": 5, "logprobs": 1, "n": 2},
+        "request_id": "r1",
+    }
+    r = post(server, "/inference/v1/generate", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["request_id"] == "r1" and len(out["choices"]) == 2
+    for choice in out["choices"]:
+        ids = choice["token_ids"]
+        assert ids and choice["finish_reason"] in ("stop", "length")
+        entries = choice["logprobs"]["content"]
+        assert [e["token"] for e in entries] == [f"token_id:{t}" for t in ids]
+        own = own_logprobs(module, prompt, ids)
+        assert max(abs(e["logprob"] - v) for e, v in zip(entries, own, strict=True)) < 1e-4
+        assert ids == out["choices"][0]["token_ids"]  # greedy: both samples alike
+    for bad, why in (
+        ({"token_ids": []}, "non-empty list of token ids"),
+        ({"token_ids": prompt, "sampling_params": {"logprobs": 5}}, "only the sampled token's log-prob"),
+        ({"token_ids": prompt, "sampling_params": {"best_of": 2}}, "unknown sampling_params"),
+        ({"token_ids": [10**9]}, "out of the vocabulary"),
+    ):
+        r = post(server, "/inference/v1/generate", bad)
+        assert r.status_code == 400 and why in r.text, (bad, r.text)

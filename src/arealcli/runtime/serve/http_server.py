@@ -81,7 +81,9 @@ from arealcli.runtime.wire.openai import (
     models_response,
     parse_chat_request,
     parse_completion_request,
+    parse_token_request,
     streamable,
+    token_response,
     usage,
 )
 from arealcli.runtime.wire.sglang import (
@@ -582,6 +584,34 @@ class GenerationService:
     def _model_name(self, req: OpenAIRequest) -> str:
         return req.adapter if req.adapter is not None else self.served_model_name
 
+    async def tokens_generate(self, body: Any) -> tuple[int, Any]:
+        """vLLM's token-in, token-out `/inference/v1/generate`: `n` samples of `token_ids`, each its token
+        ids and their log-probs (`logprobs.content[i].token` is `token_id:<id>`), no text either way."""
+        req = parse_token_request(body)
+        r = self.runner
+        adapter = req.model if req.model is not None and req.model in r.adapters else None
+        if (
+            req.model is not None
+            and adapter is None
+            and r.adapters.names()
+            and req.model != self.served_model_name
+        ):
+            return 404, not_found(req.model, [self.served_model_name, *r.adapters.names()])
+        self._check_size(1, req.sampling.n)
+        self._check_ids(req.sampling, "sampling_params.stop_token_ids")
+        ids = self._checked_prompt(req.token_ids)
+        max_new = min(req.sampling.max_new_tokens, r.context_length - len(ids))
+        seqs = [
+            Sequence(f"{req.request_id}-{j}", ids, req.sampling, max_new, adapter=adapter)
+            for j in range(req.sampling.n)
+        ]
+        errors = await self._run(seqs)
+        if errors:
+            return 500, {"error": {"message": errors[0]}}
+        return 200, token_response(
+            req.request_id, [(s.output_ids, s.logprobs, str(s.finished_as["type"])) for s in seqs]
+        )
+
     async def models(self, body: Any) -> tuple[int, Any]:
         return 200, models_response(self.served_model_name, self.runner.adapters.names())
 
@@ -806,6 +836,7 @@ ROUTES = [
     ("POST", "/v1/completions", "completions"),
     ("POST", "/v1/chat/completions", "chat_completions"),
     ("GET", "/v1/models", "models"),
+    ("POST", "/inference/v1/generate", "tokens_generate"),
     ("POST", "/load_lora_adapter", "load_lora_adapter"),
     ("POST", "/unload_lora_adapter", "unload_lora_adapter"),
     ("POST", "/v1/load_lora_adapter", "load_lora_adapter"),

@@ -64,6 +64,7 @@ from arealcli.runtime.wire.sglang import (
     ProtocolError,
     Sampling,
     finite,
+    parse_sampling,
     shown,
     token_ids,
 )
@@ -494,6 +495,82 @@ def parse_chat_request(
         model=_model(body),
         images=[images],
     )
+
+
+# vLLM's token-in, token-out endpoint (POST /inference/v1/generate): what token-level trainers' clients
+# call (verifiers' training client among them): prompt token ids in, sampled token ids and their log-probs
+# out, no text on either side
+TOKEN_FIELDS = {"model", "token_ids", "sampling_params", "request_id"}
+TOKEN_SAMPLING = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "n",
+    "logprobs",
+    "skip_special_tokens",
+}
+
+
+@dataclass
+class TokenRequest:
+    token_ids: list[int]
+    sampling: Sampling
+    request_id: str
+    model: str | None = None
+
+
+def parse_token_request(body: Any) -> TokenRequest:
+    """A body of vLLM's `/inference/v1/generate`: `token_ids`, `sampling_params` (temperature, top_p,
+    top_k, max_tokens, min_tokens, stop_token_ids, ignore_eos, n; logprobs 0 or 1: the sampled token's
+    log-prob is always returned; skip_special_tokens: no text is made), `model`, `request_id`."""
+    body = _check_fields(body, TOKEN_FIELDS)
+    ids = body.get("token_ids")
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+    ):
+        raise ProtocolError("token_ids must be a non-empty list of token ids >= 0")
+    raw = body.get("sampling_params") or {}
+    if not isinstance(raw, dict):
+        raise ProtocolError("sampling_params must be an object")
+    unknown = sorted(set(raw) - TOKEN_SAMPLING)
+    if unknown:
+        raise ProtocolError(f"unknown sampling_params {unknown}")
+    if raw.get("logprobs") not in (None, 0, 1, True, False):
+        raise ProtocolError("sampling_params.logprobs: only the sampled token's log-prob (0 or 1) is served")
+    renamed = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+    kept = {renamed.get(k, k): v for k, v in raw.items() if k not in ("logprobs", "skip_special_tokens")}
+    if kept.get("top_k") == 0:  # vLLM's "all tokens" is 0 or -1
+        kept["top_k"] = -1
+    sampling = parse_sampling({k: v for k, v in kept.items() if v is not None})
+    rid = body.get("request_id")
+    model = _model(body)
+    return TokenRequest(ids, sampling, rid if isinstance(rid, str) and rid else uuid.uuid4().hex, model)
+
+
+def token_response(request_id: str, samples: list[tuple[list[int], list[float], str]]) -> dict[str, Any]:
+    """vLLM's answer: a choice per sample, its token ids and `logprobs.content[i].token` = `token_id:<id>`."""
+    return {
+        "request_id": request_id,
+        "choices": [
+            {
+                "index": i,
+                "token_ids": ids,
+                "finish_reason": finish,
+                "logprobs": {
+                    "content": [
+                        {"token": f"token_id:{t}", "logprob": _lp(v)} for t, v in zip(ids, lps, strict=True)
+                    ]
+                },
+            }
+            for i, (ids, lps, finish) in enumerate(samples)
+        ],
+    }
 
 
 Top = list[tuple[str, float]]  # a position's most likely tokens: (text, log-prob), best first
