@@ -123,7 +123,7 @@ def test_a_running_server_given_by_url(echo_env, char_tok, monkeypatch):
         server.stop()
 
 
-def test_check_names_what_is_wrong_with_the_environment(tmp_path, cli):
+def test_check_names_what_is_wrong_with_the_environment(tmp_path, cli, monkeypatch):
     recipe = yaml.safe_load((REPO / "recipes" / "openenv-quickstart.yaml").read_text())
     for key in ("dataset", "eval_dataset"):
         recipe[key]["args"]["path"] = str(REPO / "data" / "max3" / Path(recipe[key]["args"]["path"]).name)
@@ -144,8 +144,12 @@ def test_check_names_what_is_wrong_with_the_environment(tmp_path, cli):
     assert result.exit_code == 2 and "module:attribute" in result.stderr
     result = check(app="max3_env.server.app:app", reset_args={"task": "{question}"})
     assert result.exit_code == 2 and "reset_args.task names ['question']: only {prompt}" in result.stderr
-    # the shipped recipe: its environment is found beside it
+    # the shipped recipe: its environment is found beside it; a copy made elsewhere finds it there too
     assert cli("check", REPO / "recipes" / "openenv-quickstart.yaml").exit_code == 0
+    monkeypatch.chdir(tmp_path)
+    assert cli("init", "my-env", "--from", "openenv-quickstart").exit_code == 0
+    result = cli("check", tmp_path / "my-env.yaml")
+    assert result.exit_code == 0, result.output
 
 
 @pytest.mark.slow

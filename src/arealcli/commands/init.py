@@ -70,8 +70,9 @@ def init(
 
 
 def rewrite(text: str, source_dir: Path, name: str) -> str:
-    """The recipe text with `experiment: NAME`, relative local paths absolute, and the `# Run:` comment
-    naming the new file (other comments kept)."""
+    """The recipe text with `experiment: NAME`, relative local paths absolute (an environment server's
+    `app` found where the source recipe's was: `app_dir`), and the `# Run:` comment naming the new file
+    (other comments kept)."""
     data = yaml.safe_load(text) or {}
     paths: set[str] = set()
     for spec in (data.get("models") or {}).values():
@@ -87,6 +88,10 @@ def rewrite(text: str, source_dir: Path, name: str) -> str:
     for p in sorted(paths, key=len, reverse=True):
         if not Path(p).expanduser().is_absolute():
             text = re.sub(rf"(?<=[\s:{{,]){re.escape(p)}(?=[\s,}}]|$)", str((source_dir / p).resolve()), text)
+    workflow = (((data.get("dataflow") or {}).get("actor") or {}).get("workflow") or {}).get("args") or {}
+    if isinstance(workflow, dict) and workflow.get("app") and not workflow.get("app_dir"):
+        # an environment server's module beside the source recipe: where the copy looks for it
+        text = re.sub(r"(?m)^(\s+)app: .*$", rf"\g<0>\n\g<1>app_dir: {source_dir.resolve()}", text, count=1)
     text = re.sub(r"(?m)^experiment:.*$", f"experiment: {name}", text, count=1)
     text = re.sub(r"(?m)^(#.*\bRun: areal train )\S+", rf"\g<1>{name}.yaml", text)  # the new file's command
     schema = (source_dir / ".." / "recipe.schema.json").resolve()
