@@ -174,87 +174,11 @@ def image_data_url(path: str | Path) -> str:
     return f"data:image/{kind};base64," + base64.b64encode(file.read_bytes()).decode()
 
 
-def message_parts(messages: list[Any]) -> tuple[list[dict], list[Any]]:
-    """Chat messages whose content may be OpenAI parts (`text`, `image_url` with a url: a data: URL or
-    a path relative to the data file) as text messages, each image an `IMAGE_MARK` where it was, and the
-    images in order. Other messages pass as they are."""
-    out, images = [], []
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(content, list):
-            out.append(m)
-            continue
-        texts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                url = part.get("image_url")
-                images.append(url.get("url") if isinstance(url, dict) else url)
-                texts.append(IMAGE_MARK)
-            elif isinstance(part, dict):
-                texts.append(str(part.get("text", "")))
-        out.append({**m, "content": "".join(texts)})
-    return out, images
-
-
-def parts_problem(content: list[Any]) -> str | None:
-    """Why a message's content parts are not text and image_url parts, or None."""
-    for k, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            continue
-        if kind == "image_url":
-            url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str):
-                return f"content part {k}: image_url needs a url (a data: URL or a path)"
-            if url.startswith(("http://", "https://")):
-                return f"content part {k}: images are not fetched from the web; download them and give paths"
-            continue
-        return f"content part {k} is not a text or image_url part"
-    return None
-
-
 def images_in(value: Any) -> list[Any]:
     """A row's image field as a list: one image, or a list of them (null: none)."""
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]
-
-
-NO_VISION_MODEL = (
-    "no model of the run reads images (a vision-language model: family qwen2_vl, or a Qwen2-VL folder)"
-)
-
-
-def row_images(row: dict, key: str, text_key: str) -> list[Any]:
-    """A data row's images in order: those in image_url parts of its chat messages (`text_key`), then
-    those under `key`."""
-    text = row.get(text_key)
-    in_parts = message_parts(text)[1] if isinstance(text, list) else []
-    return in_parts + images_in(row.get(key))
-
-
-def image_problem(row: dict, key: str, text_key: str, base_dir: Path, reads_images: bool) -> str | None:
-    """Why a data row's images cannot be used, or None: an image that does not open, `IMAGE_MARK`s in the
-    prompt (`text_key`) that do not match the images, or any image at all when no model of the run reads
-    images. Shared by the datasets and `areal check`."""
-    text, images = row.get(text_key), row_images(row, key, text_key)
-    if isinstance(text, list):  # chat messages: their image_url parts are marks in the text
-        messages, _ = message_parts(text)
-        text = "".join(
-            m["content"] for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
-        )
-    if images and not reads_images:
-        return f"the row has an image ({key!r} or image_url parts) but {NO_VISION_MODEL}"
-    marks = text.count(IMAGE_MARK) if isinstance(text, str) else 0
-    if marks and marks != len(images):
-        return f"{text_key!r} has {marks} {IMAGE_MARK} mark(s) for {len(images)} image(s) in {key!r}"
-    for image in images:
-        try:
-            open_image(image, base_dir)
-        except DataError as e:
-            return f"{key!r}: {e}"
-    return None
 
 
 # ---------------------------------------------------------------------- encoding

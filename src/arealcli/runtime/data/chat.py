@@ -18,20 +18,21 @@ from __future__ import annotations
 from typing import Any
 
 from arealcli.errors import DataError
-from arealcli.runtime import vision
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 def messages_problem(messages: Any, key: str, parts: bool = False) -> str | None:
     """Why `messages` is not a conversation ([{role, content}, ...] with known roles), or None. With
-    `parts`, a content may also be OpenAI's text and image_url parts (`vision.message_parts`)."""
+    `parts`, a content may also be OpenAI's text and image_url parts (`images.message_parts`)."""
     if not isinstance(messages, list) or not messages:
         return f"{key!r} must be a non-empty list of {{role, content}} messages"
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if parts and isinstance(content, list):
-            problem = vision.parts_problem(content)
+            from arealcli.runtime.data.images import parts_problem
+
+            problem = parts_problem(content)
             if problem:
                 return f"{key!r} message {i}: {problem}"
         elif not isinstance(content, str):

@@ -16,6 +16,7 @@ from arealcli.runtime.data.chat import (
     require_template,
     with_system,
 )
+from arealcli.runtime.data.images import image_problem, message_parts
 from arealcli.runtime.data.jsonl import read_jsonl
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.schema.components.datasets import ChatArgs, PromptAnswerArgs
@@ -193,7 +194,7 @@ class PromptAnswerDataset:
             prompt = row[a.prompt_key]
             if text_value(prompt) is None or (isinstance(prompt, str) and not prompt):
                 return f"{a.prompt_key!r} must be a non-empty text, got {kind_of(prompt) if prompt != '' else 'an empty text'}"
-        problem = vision.image_problem(row, a.image_key, prompt_key, self.image_dir, self.images is not None)
+        problem = image_problem(row, a.image_key, prompt_key, self.image_dir, self.images is not None)
         if problem:
             return problem
         if a.episode_key is not None and row.get(a.episode_key) is not None:
@@ -221,7 +222,7 @@ class PromptAnswerDataset:
                 if a.messages_key
                 else [{"role": "user", "content": text_value(row[a.prompt_key])}]
             )
-            messages, in_parts = vision.message_parts(messages)  # image_url parts: marks in the text
+            messages, in_parts = message_parts(messages)  # image_url parts: marks in the text
             prompt, prompt_ids = render_prompt(tok, with_system(messages, a.system_prompt))
         else:
             text = text_value(row[a.prompt_key])

@@ -342,6 +342,29 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     return out
 
 
+def content_parts(content: list[Any], where: str, image_mark: str | None) -> tuple[str, list[str]]:
+    """OpenAI content parts as text (text parts joined, each `image_url` part an `image_mark`) and the
+    image parts' URLs in order. ProtocolError naming `where` for any other part, and for image parts when
+    `image_mark` is None (a model that reads no images)."""
+    texts, urls = [], []
+    for k, part in enumerate(_as_dict(p) for p in content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            if image_mark is None:
+                raise ProtocolError(f"{where}[{k}]: the served model does not read images")
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise ProtocolError(f"{where}[{k}].image_url needs a url")
+            urls.append(url)
+            texts.append(image_mark)
+        else:
+            raise ProtocolError(f"{where}[{k}]: only text and image_url parts are supported")
+    return "".join(texts), urls
+
+
 def chat_message(message: Any, i: int, image_mark: str | None = None) -> dict[str, Any]:
     """One OpenAI message as chat templates take it: text content (text parts joined), an assistant's
     `tool_calls` with their arguments as objects, a tool message's `tool_call_id` and `name`. With
@@ -353,25 +376,7 @@ def chat_message(message: Any, i: int, image_mark: str | None = None) -> dict[st
     content = message.get("content")
     images: list[str] = []
     if isinstance(content, list):  # [{type: text, text} | {type: image_url, image_url: {url}}] parts
-        texts = []
-        for k, part in enumerate(_as_dict(p) for p in content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
-            elif kind == "image_url":
-                if image_mark is None:
-                    raise ProtocolError(f"messages[{i}].content[{k}]: the served model does not read images")
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str):
-                    raise ProtocolError(f"messages[{i}].content[{k}].image_url needs a url (a data: URL)")
-                images.append(url)
-                texts.append(image_mark)
-            else:
-                raise ProtocolError(
-                    f"messages[{i}].content[{k}]: only text and image_url parts are supported"
-                )
-        content = "".join(texts)
+        content, images = content_parts(content, f"messages[{i}].content", image_mark)
     calls = message.get("tool_calls") or []
     if content is None and calls:
         content = ""
