@@ -171,8 +171,9 @@ def test_bad_image_rows_are_named_with_their_line(tok, tmp_path):
         dataset(marks, tok)
 
 
-def test_check_reads_the_images_without_torch(tmp_path, cli):
-    """`areal check` opens every image of a local JSONL dataset: the training's errors, before it starts."""
+def test_check_reads_every_image_before_the_run(tmp_path, cli):
+    """`areal check` opens every image of a local JSONL dataset: the training's errors, before it starts
+    (without torch: test_recipe_check checks the shipped vlm-quickstart that way)."""
     (tmp_path / "images").mkdir()
     shutil.copy(COLOURS / "images/test-0000.png", tmp_path / "images/ok.png")
     (tmp_path / "images/junk.png").write_bytes(b"not a picture")
@@ -487,14 +488,18 @@ def test_areal_serve_answers_chat_and_generate_with_images(module, tok, tmp_path
 # --------------------------------------------------------------------------- runs
 
 
-def vlm_recipe(tmp_path: Path, **trainer) -> Path:
-    """The shipped quickstart, pointing at the shipped data, shortened."""
+def vlm_recipe(tmp_path: Path, name: str = "vlm", backend: str = "hf", **trainer) -> Path:
+    """The shipped quickstart, pointing at the shipped data, shortened: 3 SFT steps, then GRPO, 8 prompts
+    a step, no samples written."""
     recipe = yaml.safe_load((REPO / "recipes" / "vlm-quickstart.yaml").read_text())
     for key in ("dataset", "eval_dataset"):
         recipe[key]["args"]["path"] = str(COLOURS / Path(recipe[key]["args"]["path"]).name)
     recipe["eval_dataset"]["args"]["limit"] = 24
-    recipe["trainer"].update(trainer)
-    path = tmp_path / "vlm.yaml"
+    recipe["dataflow"]["sft_warmup_steps"] = 3
+    recipe["dataset"]["batch_size"] = 8
+    recipe["models"]["actor"]["backend"]["type_"] = backend
+    recipe["trainer"].update(eval_at_start=False, samples_every_n_steps=100, **trainer)
+    path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
 
@@ -505,18 +510,7 @@ def test_sft_and_grpo_with_images_resume_exactly(tmp_path, cli):
     from arealcli.runtime.run import checkpoint as ckpt
 
     # 3 SFT steps, then GRPO; a checkpoint at step 4 (RL), crash during step 5, resume to 6
-    recipe = vlm_recipe(
-        tmp_path,
-        max_steps=6,
-        save_every_n_steps=2,
-        eval_every_n_steps=3,
-        eval_at_start=False,
-        samples_every_n_steps=100,
-    )
-    doc = yaml.safe_load(recipe.read_text())
-    doc["dataflow"]["sft_warmup_steps"] = 3
-    doc["dataset"]["batch_size"] = 8
-    recipe.write_text(yaml.safe_dump(doc))
+    recipe = vlm_recipe(tmp_path, max_steps=6, save_every_n_steps=2, eval_every_n_steps=3)
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     result = cli("train", recipe, "-o", full)
     assert result.exit_code == 0, result.output
@@ -553,21 +547,15 @@ def test_fsdp_over_two_processes_trains_with_images_as_hf_does(tmp_path):
 
     runs = {}
     for name, type_, nproc in (("hf1", "hf", 1), ("fsdp2", "fsdp", 2)):
-        recipe = vlm_recipe(
+        path = vlm_recipe(
             tmp_path,
+            name,
+            type_,
             log_every_n_steps=1,
             max_steps=5,
             save_every_n_steps=3,
             eval_every_n_steps=100,
-            eval_at_start=False,
-            samples_every_n_steps=100,
         )
-        doc = yaml.safe_load(recipe.read_text())
-        doc["dataflow"]["sft_warmup_steps"] = 3
-        doc["dataset"]["batch_size"] = 8
-        doc["models"]["actor"]["backend"]["type_"] = type_
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(doc))
         run = tmp_path / name
         cmd = [sys.executable, "-m", "arealcli.main", "train", str(path), "-o", str(run)]
         result = subprocess.run(
