@@ -41,14 +41,11 @@ import threading
 import time
 from typing import Any
 
-import torch
-
 from arealcli.errors import UserError
-from arealcli.runtime.agents.workflows import Episode
+from arealcli.runtime.agents.workflows import Episode, generate_turn
 from arealcli.runtime.clients.launcher import child_env, die_with_parent
-from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.inference import EventLoopThread
-from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
+from arealcli.schema.components.engine import GenerationHyperparameters
 from arealcli.schema.components.workflows import OpenEnvArgs
 
 logger = logging.getLogger(__name__)
@@ -331,17 +328,13 @@ class OpenEnvWorkflow:
                 active = [i for i in active if len(episodes[i].tokens) < a.max_total_tokens]
                 if not active:
                     break
-                room = max(a.max_total_tokens - len(episodes[i].tokens) for i in active)
-                g = gconfig.model_copy(update={"max_new_tokens": min(gconfig.max_new_tokens, room)})
-                seqs = [torch.tensor((episodes[i].prompt or []) + episodes[i].tokens) for i in active]
-                batch = SequenceSample.from_lists(list(range(len(active))), {"packed_prompts": seqs})
-                out = engine.generate(batch, MicroBatchSpec(), tokenizer, g)
+                prompts = [ep.prompt or [] for ep in episodes]
+                new, _ = generate_turn(
+                    engine, tokenizer, episodes, active, prompts, gconfig, a.max_total_tokens
+                )
                 steps = []
-                for j, i in enumerate(active):
+                for i, ids in zip(active, new, strict=True):
                     ep = episodes[i]
-                    left = a.max_total_tokens - len(ep.tokens)
-                    ids, lps = list(out.output_ids[j][:left]), list(out.logprobs[j][:left])
-                    ep.generated(ids, lps, out, j)
                     ep.no_eos = not (ids and ids[-1] in eos)
                     text = tokenizer.decode([t for t in ids if t not in eos], skip_special_tokens=True)
                     steps.append((i, "step", self.action(text)))

@@ -99,6 +99,33 @@ class Episode:
         self.final = []
 
 
+def generate_turn(
+    engine,
+    tokenizer,
+    episodes: list[Episode],
+    active: list[int],
+    prompts: list[list[int]],
+    g: GenerationHyperparameters,
+    budget: int,
+    extra: dict[str, list[torch.Tensor]] | None = None,
+) -> tuple[list[list[int]], Any]:
+    """One turn of the `active` episodes: a batched generate call on each one's prompt and tokens so far
+    (`extra`: more keys of the batch, e.g. images), at most `budget` tokens per episode in all, recorded
+    in the episodes (`Episode.generated`). Each one's new tokens, and the generate result."""
+    room = max(budget - len(episodes[i].tokens) for i in active)
+    step = g.model_copy(update={"max_new_tokens": min(g.max_new_tokens, room)})
+    seqs = [torch.tensor(prompts[i] + episodes[i].tokens) for i in active]
+    batch = SequenceSample.from_lists(list(range(len(active))), {"packed_prompts": seqs, **(extra or {})})
+    out = engine.generate(batch, MicroBatchSpec(), tokenizer, step)
+    new = []
+    for j, i in enumerate(active):
+        left = budget - len(episodes[i].tokens)
+        ids = list(out.output_ids[j][:left])
+        episodes[i].generated(ids, list(out.logprobs[j][:left]), out, j)
+        new.append(ids)
+    return new, out
+
+
 class ToolUseWorkflow:
     """Generate; on a tool call run the tool and append its result; continue up to max_turns."""
 
@@ -164,6 +191,7 @@ class ToolUseWorkflow:
             )
         else:  # several: stop on the text
             g = gconfig.model_copy(update={"stop": list(dict.fromkeys([*gconfig.stop, a.call_close]))})
+        g = g.model_copy(update={"min_new_tokens": 0})  # a turn may be a call straight away
         closes = StopTexts([a.call_close], lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
         episodes = [Episode() for _ in prompts]
         active = list(range(len(prompts)))
@@ -171,21 +199,16 @@ class ToolUseWorkflow:
             active = [i for i in active if len(episodes[i].tokens) < a.max_total_tokens]
             if not active:
                 break
-            room = max(a.max_total_tokens - len(episodes[i].tokens) for i in active)
-            step = g.model_copy(update={"max_new_tokens": min(g.max_new_tokens, room), "min_new_tokens": 0})
-            seqs = [torch.tensor(prompts[i] + episodes[i].tokens) for i in active]
-            keys: dict[str, list[torch.Tensor]] = {"packed_prompts": seqs}
+            extra = {}
             if images is not None:  # the prompt's pictures and the tools' so far
                 seen = [vision.stacked([images[i], *episodes[i].images]) for i in active]
-                keys["pixel_values"], keys["image_grid_thw"] = [x[0] for x in seen], [x[1] for x in seen]
-            batch = SequenceSample.from_lists(list(range(len(active))), keys)
-            out = engine.generate(batch, MicroBatchSpec(), tokenizer, step)
+                extra = {"pixel_values": [x[0] for x in seen], "image_grid_thw": [x[1] for x in seen]}
+            new, out = generate_turn(
+                engine, tokenizer, episodes, active, prompts, g, a.max_total_tokens, extra
+            )
             still = []
-            for j, i in enumerate(active):
+            for j, (i, ids) in enumerate(zip(active, new, strict=True)):
                 ep = episodes[i]
-                left = a.max_total_tokens - len(ep.tokens)
-                ids, lps = list(out.output_ids[j][:left]), list(out.logprobs[j][:left])
-                ep.generated(ids, lps, out, j)
                 ended = bool(ids) and not out.no_eos[j] and ids[-1] not in eos
                 called = ended and closes.matched(ids) is not None and turn < a.max_turns - 1
                 if not called:
