@@ -132,3 +132,68 @@ def test_resume_after_running_past_the_checkpoint_keeps_the_new_export(ws):
         resumed.close()
     assert resumed.global_step == 9
     assert sorted(p.name for p in (run / "weights" / "actor").iterdir()) == ["v8", "v9"]
+
+
+def test_a_follower_keeps_the_weights_of_its_last_step_and_resumes_with_them(ws):
+    """`follow_until: 2`: the reference follows the actor through the 2-step SFT warm-up, then keeps those
+    weights (the KL's anchor) while RL trains the actor on; checkpoints save it, and a run resumed after
+    the warm-up ends with the same reference and actor as an uninterrupted one."""
+    ref = {"ref": {"init_from": "actor", "weights_from": "actor", "follow_until": 2}}
+    trainer_args = {
+        "max_steps": 5,
+        "save_every_n_steps": 1,
+        "keep_last_n_checkpoints": 5,
+        "tensorboard": False,
+    }
+    dataflow = {
+        "preset": "grpo",
+        "sft_warmup_steps": 2,
+        "actor": {"generation": {"n": 2, "max_new_tokens": 4}, "shaping": {"kl_ctl": 0.1}},
+        "reward": {"reward_fn": "exact_match"},
+    }
+    path = grpo_recipe(ws, extra_models=ref, trainer=trainer_args, dataflow=dataflow)
+
+    def weights(folder: Path) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(folder / "model.safetensors")
+
+    def train(run_dir: Path, resume: bool = False) -> Trainer:
+        trainer = Trainer(validate(load_recipe_source(path)), path.parent, run_dir, resume=resume)
+        try:
+            trainer.setup()
+            trainer.train()
+        finally:
+            trainer.close()
+        return trainer
+
+    run = ws.root / "run"
+    train(run)
+    ckpt = run / "checkpoints"
+    warm = weights(ckpt / "step_00000002" / "actor")
+    for step in (2, 3, 5):
+        kept = weights(ckpt / f"step_{step:08d}" / "ref")
+        assert all(torch.equal(kept[k], warm[k]) for k in warm), step
+    assert not all(torch.equal(weights(ckpt / "step_00000005" / "actor")[k], warm[k]) for k in warm)
+    kl = [json.loads(x).get("actor_train/kl_ref") for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(v is not None and v > 0 for v in kl)  # the actor moved away from the kept weights
+
+    resumed_run = ws.root / "resumed"
+    train_until_crash(path, resumed_run, step=4)
+    resumed = train(resumed_run, resume=True)
+    assert resumed.resumed_from is not None and resumed.resumed_from.name in (
+        "step_00000003",
+        "step_00000004",
+    )
+    for name in ("actor", "ref"):
+        a = weights(ckpt / "step_00000005" / name)
+        b = weights(resumed_run / "checkpoints" / "step_00000005" / name)
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_follow_until_needs_a_source_and_a_model_held_in_the_training_process(ws):
+    (line,) = problems(grpo_recipe(ws, extra_models={"ref": {"init_from": "actor", "follow_until": 2}}))
+    assert "follow_until needs weights_from" in line
+    kept = {"init_from": "actor", "weights_from": "actor", "follow_until": 2, "backend": {"type_": "local"}}
+    (line,) = problems(grpo_recipe(ws, kept))
+    assert "models.actor_gen.backend.type_" in line and "keeps 'actor'" in line and "run it on hf" in line

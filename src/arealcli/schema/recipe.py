@@ -114,6 +114,12 @@ class ModelSpec(StrictModel):
         description="Follow a trained model's weights: loaded into this one after every step that trains it "
         "(e.g. generation servers of the actor).",
     )
+    follow_until: PositiveInt | None = Field(
+        None,
+        description="With `weights_from`: follow the source through its version (trained steps) N, then keep "
+        "those weights, saved in checkpoints: e.g. a reference model that is the actor as an SFT warm-up of "
+        "N steps left it (`ref: {init_from: actor, weights_from: actor, follow_until: N}`).",
+    )
     base_of: str | None = Field(
         None,
         description="The base model under another model's LoRA adapters (adapters off), sharing its memory: "
@@ -132,6 +138,8 @@ class ModelSpec(StrictModel):
                 "a model needs exactly one of `path` (HF directory), `config` (build from config), "
                 f"`init_from` (another model of the recipe) or `base_of` (a LoRA model's base); got {sources or 'none'}"
             )
+        if self.follow_until is not None and self.weights_from is None:
+            raise ValueError("follow_until needs weights_from: the model whose weights it follows until then")
         return self
 
 

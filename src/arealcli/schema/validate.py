@@ -15,7 +15,11 @@ from pydantic import ValidationError
 from arealcli.schema import plan, presets
 from arealcli.schema.checks.args import Typed, check_args, find_abstractions
 from arealcli.schema.checks.calls import check_calls, check_inputs
-from arealcli.schema.checks.capabilities import check_call_capabilities, check_followers_load_weights
+from arealcli.schema.checks.capabilities import (
+    check_call_capabilities,
+    check_followers_load_weights,
+    check_kept_followers,
+)
 from arealcli.schema.checks.cluster import check_cluster
 from arealcli.schema.checks.context import graph_of
 from arealcli.schema.checks.lora import check_lora
@@ -90,6 +94,7 @@ GRAPH_CHECKS = (
     check_lora,
     check_call_capabilities,
     check_followers_load_weights,
+    check_kept_followers,
     check_rollout,
     check_placement,
     check_cluster,

@@ -164,6 +164,8 @@ class Trainer:
             run_dir=str(self.run_dir),
         )
         self.trained = {c.model for c in r.dataflow.calls if c.type == "train_step" and c.model}
+        # followers that stop following (`follow_until`): their weights are the run's to keep, saved
+        self.kept = {name for name, m in r.models.items() if m.follow_until is not None}
         order = model_build_order(r)
         seeds = model_seeds(r)
         backends = {
@@ -212,6 +214,11 @@ class Trainer:
         return eager
 
     def _initialize(self, backend, model: Model, spec: FinetuneSpec, resume_from: Path | None) -> Model:
+        if resume_from is not None and model.name in self.kept:  # as saved; following again if not past N
+            model = backend.initialize(model, spec)
+            with ckpt.reading(resume_from / model.name):
+                model.backend.update_weights(model, str(resume_from / model.name), 0)
+            return model
         if resume_from is None or model.name not in self.trained:  # nothing to resume
             return backend.initialize(model, spec)
         if not backend.resumes_weights:
@@ -480,6 +487,8 @@ class Trainer:
                 model, call = self.models[name], self._train_call(name)
                 call.interface.save(model, str(tmp / name))
                 model.backend.save(model, str(tmp / name))
+            for name in sorted(self.kept):
+                self.models[name].module.save_to_hf(self.tokenizer, str(tmp / name))
             if self.rank != 0:
                 return
             torch.save(

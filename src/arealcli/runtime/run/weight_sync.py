@@ -13,7 +13,9 @@ generation:
   `lora_updates: adapters`) get the base once, `weights/<source>/base`, and then the adapters alone,
   `weights/<source>/base/a<version>`, which the server merges into its copy of the base.
   `weight_sync/<source>_bytes` is what a step's update wrote.
-A follower's `version.global_step` is the source version it holds: generated samples record it.
+A follower's `version.global_step` is the source version it holds: generated samples record it. A
+follower with `follow_until: N` takes updates up to the source's version N and keeps those weights after
+(a reference model frozen where an SFT warm-up ends); the trainer saves it in checkpoints.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class WeightSync:
     def __init__(self, recipe: Recipe, models: dict[str, Model], tokenizer: Any, run_dir: Path, keep_last=2):
         self.models, self.tokenizer, self.run_dir, self.keep_last = models, tokenizer, run_dir, keep_last
         self.followers: dict[str, list[str]] = {}
+        self.until = {n: s.follow_until for n, s in recipe.models.items() if s.follow_until is not None}
         for name, spec in recipe.models.items():
             if spec.weights_from is not None:
                 self.followers.setdefault(spec.weights_from, []).append(name)
@@ -56,9 +59,10 @@ class WeightSync:
     def sync(self, before: dict[str, int] | None = None) -> dict[str, float]:
         """Push every source trained since `before` (all of them when None) to its followers."""
         stats: dict[str, float] = {}
-        for src, followers in self.followers.items():
+        for src, following in self.followers.items():
             version = self.models[src].version.global_step
-            if before is not None and before.get(src) == version:
+            followers = [n for n in following if version <= self.until.get(n, version)]
+            if not followers or (before is not None and before.get(src) == version):
                 continue
             t0 = time.perf_counter()
             in_memory = [n for n in followers if self._in_memory(src, n)]

@@ -56,3 +56,20 @@ def check_followers_load_weights(g: Graph) -> list[Problem]:
         )
         problems.append(Problem(("models", name, "backend", "type_"), message, spec.backend.type_))
     return problems
+
+
+def check_kept_followers(g: Graph) -> list[Problem]:
+    """A follower that keeps a step's weights (`follow_until`) is saved in checkpoints, so it is held in
+    the training process and loads weights in place."""
+    problems = []
+    for name, spec in g.models.items():
+        caps = capabilities_of(spec)
+        if spec.follow_until is None or caps is None or {"train", "update_weights"} <= caps:
+            continue
+        message = (
+            f"model {name!r} keeps {spec.weights_from!r}'s weights of step {spec.follow_until} (`follow_until`), "
+            f"which checkpoints save, but its backend {spec.backend.type_!r} does not hold them in this "
+            "process and loads weights in place; run it on hf or megatron"
+        )
+        problems.append(Problem(("models", name, "backend", "type_"), message, spec.backend.type_))
+    return problems
