@@ -531,7 +531,7 @@ def test_openai_client_chat_and_refusals(openai_server, char_tok):
 
     for kwargs, said in [
         ({"extra_body": {"echo": True}}, "echo"),
-        ({"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}, "Hermes-style"),
+        ({"tools": [{"type": "function", "function": {"name": "calc", "parameters": {}}}]}, "known format"),
         ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ]:

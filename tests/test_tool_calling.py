@@ -15,7 +15,8 @@ from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.interfaces.ppo_actor import PPOActorInterface
 from arealcli.runtime.interfaces.sft import SFTInterface
 from arealcli.runtime.models.model import Model
-from arealcli.runtime.wire.openai import ProtocolError, chat_message, parse_tool_calls, parse_tools
+from arealcli.runtime.wire.openai import OfferedTools, ProtocolError, chat_message, parse_tools
+from arealcli.runtime.wire.tool_calls import FORMATS
 from arealcli.schema.components.backends import HFBackendArgs
 from arealcli.schema.components.engine import MicroBatchSpec
 from arealcli.schema.components.interfaces import PPOActorArgs, SFTArgs
@@ -23,13 +24,13 @@ from tests.conftest import load_example, tiny_module, train_until
 from tests.test_agentic import PAIRS, SPEC, hf_actor, segments
 
 # A compact chat template in the Hermes style of Qwen2.5's: the tools' names up front, calls written as
-# <tool_call>{"name": ..., "arguments": {...}}</tool_call> inside the assistant turn.
+# <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call> inside the assistant turn.
 TEMPLATE = (
     "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"
     "{% for m in messages %}"
     "{% if m.role == 'assistant' %}a: {{ m.content or '' }}"
-    '{% for c in m.tool_calls or [] %}<tool_call>{"name": "{{ c.function.name }}", "arguments": '
-    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}{{ eos_token }}{{ '\\n' }}"
+    '{% for c in m.tool_calls or [] %}<tool_call>\n{"name": "{{ c.function.name }}", "arguments": '
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}{{ eos_token }}{{ '\\n' }}"
     "{% elif m.role == 'tool' %}r: {{ m.content }}{{ '\\n' }}"
     "{% else %}u: {{ m.content }}{{ '\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}a: {% endif %}"
@@ -41,7 +42,12 @@ TOOLS = EXAMPLE.TOOLS  # a calculator: {"expression": ...}
 
 
 def call_text(a: int, b: int) -> str:
-    return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{a}*{b}"}}}}</tool_call>'
+    return f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a}*{b}"}}}}\n</tool_call>'
+
+
+def calculator_call(a: int, b: int) -> dict:
+    arguments = json.dumps({"expression": f"{a}*{b}"})
+    return {"id": "c0", "type": "function", "function": {"name": "calculator", "arguments": arguments}}
 
 
 def conversation(a: int, b: int) -> list[tuple[str, bool]]:
@@ -111,23 +117,27 @@ def caller(tmp_path_factory, tool_tok):
     return root / "model"
 
 
+def parse_tool_calls(text: str, parallel: bool = True):
+    return FORMATS["hermes"].parse(text, TOOLS, parallel, lambda k: str(k))
+
+
 def test_hermes_calls_are_parsed_and_messages_normalized():
     one = '<tool_call>{"name": "calc", "arguments": {"x": "2*3"}}</tool_call>'
-    content, calls = parse_tool_calls(one, ["c0"])
+    content, calls = parse_tool_calls(one)
     assert content is None and calls == [
-        {"id": "c0", "type": "function", "function": {"name": "calc", "arguments": '{"x": "2*3"}'}}
+        {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": '{"x": "2*3"}'}}
     ]
     two = 'Let me see. <tool_call>\n{"name": "a", "arguments": {}}\n</tool_call><tool_call>{"name": "b"}</tool_call>'
-    content, calls = parse_tool_calls(two, ["c0", "c1"])
+    content, calls = parse_tool_calls(two)
     assert content == "Let me see." and [c["function"]["name"] for c in calls] == ["a", "b"]
     assert calls[1]["function"]["arguments"] == "{}"
-    assert len(parse_tool_calls(two, ["c0", "c1"], parallel=False)[1]) == 1
+    assert len(parse_tool_calls(two, parallel=False)[1]) == 1
     for text in (
         "no call at all",
         "<tool_call>{not json}</tool_call>",
         '<tool_call>{"arguments": {}}</tool_call>',
     ):
-        assert parse_tool_calls(text, ["c0"]) == (text, [])  # not a call: the text stays content
+        assert parse_tool_calls(text) == (text, [])  # not a call: the text stays content
 
     message = chat_message(
         {
@@ -149,13 +159,23 @@ def test_hermes_calls_are_parsed_and_messages_normalized():
     assert chat_message({"role": "tool", "tool_call_id": "c0", "content": "1"}, 1)["tool_call_id"] == "c0"
     with pytest.raises(ProtocolError, match=r"arguments is not JSON"):
         chat_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}, 0)
-    with pytest.raises(ProtocolError, match="constrained decoding"):
-        parse_tools({"tools": TOOLS, "tool_choice": "required"}, TEMPLATE)
-    with pytest.raises(ProtocolError, match="Hermes-style"):
+    with pytest.raises(ProtocolError, match="naming an offered tool"):
+        parse_tools(
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, TEMPLATE
+        )
+    with pytest.raises(ProtocolError, match="must be auto, none, required"):
+        parse_tools({"tools": TOOLS, "tool_choice": "always"}, TEMPLATE)
+    with pytest.raises(ProtocolError, match="known format .*hermes, llama3_json, mistral"):
         parse_tools({"tools": TOOLS}, "{{ messages }}")
     with pytest.raises(ProtocolError, match="list of"):
         parse_tools({"tools": [{"name": "calc"}]}, TEMPLATE)
-    assert parse_tools({"tools": TOOLS, "tool_choice": "none"}, TEMPLATE) == (None, True)
+    assert parse_tools({"tools": TOOLS, "tool_choice": "none"}, TEMPLATE) == OfferedTools()
+    required = parse_tools({"tools": TOOLS, "tool_choice": "required"}, TEMPLATE)
+    assert required.format is FORMATS["hermes"] and required.start == "<tool_call>"
+    named = {"type": "function", "function": {"name": "calculator"}}
+    assert parse_tools({"tools": TOOLS, "tool_choice": named}, TEMPLATE).start == (
+        '<tool_call>\n{"name": "calculator", "arguments": '
+    )
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +221,7 @@ def test_function_calling_through_the_openai_client(tool_server, tool_tok):
         "sampling_params": {"max_new_tokens": 80, "temperature": 0, "stop": ["calc"]},
     }
     answer = post(tool_server, "/generate", body).json()
-    assert tool_tok.decode(answer["output_ids"]) == '<tool_call>{"name": "calc'
+    assert tool_tok.decode(answer["output_ids"]) == '<tool_call>\n{"name": "calc'
     assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": "calc"}
 
     plain = client.chat.completions.create(
@@ -212,10 +232,22 @@ def test_function_calling_through_the_openai_client(tool_server, tool_tok):
         max_tokens=4,
     )
     assert tool_tok.decode(plain.choices[0].model_extra["prompt_token_ids"]) == "u: 12*34\na: "  # no tools
-    with pytest.raises(openai.BadRequestError, match="constrained decoding"):
-        client.chat.completions.create(
-            model="p", messages=[{"role": "user", "content": "x"}], tools=TOOLS, tool_choice="required"
-        )
+    # tool_choice required / a named function: the call is started for the model after the generation
+    # prompt (the prompt's tokens hold it), and read from the started text and what the model wrote
+    a, b = PAIRS[1]
+    named = {"type": "function", "function": {"name": "calculator"}}
+    for choice, start in (
+        ("required", "<tool_call>"),
+        (named, '<tool_call>\n{"name": "calculator", "arguments": '),
+    ):
+        forced = client.chat.completions.create(
+            model="p", messages=[{"role": "user", "content": f"{a}*{b}"}], tools=TOOLS, tool_choice=choice
+        ).choices[0]
+        assert tool_tok.decode(forced.model_extra["prompt_token_ids"]).endswith(f"a: {start}")
+        assert forced.finish_reason == "tool_calls" and forced.message.content is None, forced
+        (call,) = forced.message.tool_calls
+        assert call.function.name == "calculator"
+        assert json.loads(call.function.arguments) == {"expression": f"{a}*{b}"}
     with pytest.raises(openai.BadRequestError, match="chat/completions"):
         client.completions.create(model="p", prompt="x", extra_body={"tools": TOOLS})
 
@@ -336,7 +368,9 @@ def test_stop_texts_of_several_tokens_end_generation_on_every_engine(caller, too
         for engine in (hf.module, local.module):
             out = engine.generate(batch, MicroBatchSpec(), tool_tok, stopped)
             for ids, lps, no_eos in zip(out.output_ids, out.logprobs, out.no_eos, strict=True):
-                assert tool_tok.decode(ids) == '<tool_call>{"name": "calculator", "arguments"' and not no_eos
+                assert (
+                    tool_tok.decode(ids) == '<tool_call>\n{"name": "calculator", "arguments"' and not no_eos
+                )
                 assert ids == full.output_ids[0][: len(ids)]
                 assert lps == pytest.approx(full.logprobs[0][: len(ids)], abs=1e-4)
     finally:

@@ -92,6 +92,15 @@ Lora = Annotated[
         "repeat for more. Requests pick one by name (OpenAI `model`, SGLang `lora_path`).",
     ),
 ]
+ToolCallParser = Annotated[
+    str | None,
+    typer.Option(
+        "--tool-call-parser",
+        metavar="FORMAT",
+        help="How the model writes tool calls: hermes, llama3_json, mistral or qwen3_coder (default: the one "
+        "its chat template teaches).",
+    ),
+]
 LogRequests = Annotated[bool, typer.Option("--log-requests", help="Log every HTTP request.", metavar="")]
 
 
@@ -114,6 +123,7 @@ def serve(
     num_threads: NumThreads = 0,
     log_requests: LogRequests = False,
     lora: Lora = None,
+    tool_call_parser: ToolCallParser = None,
 ) -> None:
     """Serve a model for generation: OpenAI's API under /v1 (completions, chat) and SGLang's native protocol.
 
@@ -131,7 +141,7 @@ def serve(
     flags = start.ServeFlags(  # the parameters above, in their order
         model, host, port, device.value, dtype.value, batch_window_ms, max_batch_size, max_n, max_body_mb,
         max_connections, max_requests, api_key, admin_key, allow_unauthenticated, weight_version,
-        num_threads, log_requests, lora or [],
+        num_threads, log_requests, lora or [], tool_call_parser,
     )  # fmt: skip
     try:
         start.refuse(flags)

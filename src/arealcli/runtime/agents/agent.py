@@ -25,8 +25,8 @@ recipe's `max_new_tokens` and the episode's `max_total_tokens`; `stop` texts (an
 at the token that completes them and, as with OpenAI, are not part of the returned text (`stop_reason`
 names the one matched; `token_ids` keep every generated token).
 
-Function calling works as on `areal serve`: `tools` are rendered by the chat template, Hermes-style
-`<tool_call>{...}</tool_call>` calls come back as `message.tool_calls`, and the agent appends the
+Function calling works as on `areal serve`: `tools` are rendered by the chat template, calls in the
+template's format (wire/tool_calls.py) come back as `message.tool_calls`, and the agent appends the
 message and `{"role": "tool", ...}` results as usual. When the template renders the model's last reply
 otherwise than the model wrote it (a call's JSON spaced differently, say), the reply stays as the
 model's own tokens and only the template's text after it is added: the trained sequence is what the
@@ -46,12 +46,13 @@ from arealcli.errors import UserError
 from arealcli.runtime.agents.workflows import Episode
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.wire.openai import (
+    OfferedTools,
     ProtocolError,
     chat_message,
     finish_of,
-    parse_tool_calls,
     parse_tools,
 )
+from arealcli.runtime.wire.tool_calls import call_text
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
 from arealcli.schema.components.workflows import AgentArgs
 
@@ -265,18 +266,21 @@ class AgentClient:
             raise UserError(f"an agent's stop must be a text or a list of non-empty texts (got {stop!r})")
         return tuple(dict.fromkeys(texts))
 
-    def _tools(self, chat: bool, kwargs: dict) -> tuple[list[dict] | None, bool]:
+    def _tools(self, chat: bool, kwargs: dict) -> OfferedTools:
         if not chat:
             if set(kwargs) & _TOOLS:
                 raise UserError("tools are offered through chat.completions")
-            return None, True
+            return OfferedTools()
         try:
             return parse_tools(kwargs, getattr(self._tokenizer, "chat_template", None))
         except ProtocolError as e:
             raise UserError(f"an agent's request: {e}") from None
 
-    def _render(self, chat: bool, kwargs: dict, tools: list[dict] | None) -> tuple[list[int], str | None]:
-        """The prompt's token ids, and for chat the template's text they stand for."""
+    def _render(
+        self, chat: bool, kwargs: dict, tools: list[dict] | None, start: str = ""
+    ) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and for chat the template's text they stand for (`start`, the start of a
+        tool call written for the model, after its generation prompt)."""
         tok = self._tokenizer
         messages = None
         if chat:
@@ -287,6 +291,7 @@ class AgentClient:
             except ProtocolError as e:
                 raise UserError(f"an agent's request: {e}") from None
             text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+            text += start
         else:
             text = kwargs["prompt"]
             if isinstance(text, list):
@@ -323,7 +328,9 @@ class AgentClient:
             )
 
         head, through = render(k, True), render(k + 1, False)
-        if head != last.rendered or not through.startswith(head) or not text.startswith(through):
+        # the last prompt may hold the start of a tool call written for the model after `head`
+        rendered = last.rendered or ""
+        if not rendered.startswith(head) or not through.startswith(head) or not text.startswith(through):
             return None
         turn = through[len(head) :]  # the reply as the template writes it, with its end of turn
         ended = bool(last.output_ids) and not last.no_eos
@@ -336,8 +343,8 @@ class AgentClient:
     def _create(self, chat: bool, kwargs: dict) -> Completion:
         self._sampling_check(kwargs)
         a, g = self._args, self._gconfig
-        tools, parallel = self._tools(chat, kwargs)
-        prompt, rendered = self._render(chat, kwargs, tools)
+        offered = self._tools(chat, kwargs)
+        prompt, rendered = self._render(chat, kwargs, offered.tools, offered.start)
         if len(self.requests) >= a.max_requests:
             raise UserError(f"an episode made more than max_requests={a.max_requests} requests")
         used = len(prompt) - len(self.prompt_ids)
@@ -367,9 +374,14 @@ class AgentClient:
                 pieces, lps, [{"token": p, "logprob": lp} for p, lp in zip(pieces, lps, strict=True)]
             )
         message = Message(text) if chat else None
-        if tools:
-            names = [f"call_{len(self.requests) - 1}_{k}" for k in range(text.count("<tool_call>"))]
-            content, calls = parse_tool_calls(text, names, parallel)
+        if offered.tools and offered.format is not None:
+            raw = call_text(
+                ids, offered.start, tok.decode, lambda t: tok.decode(t, skip_special_tokens=False)
+            )
+            serial = len(self.requests) - 1
+            content, calls = offered.format.parse(
+                raw, offered.tools, offered.parallel, lambda k: f"{serial}_{k}"
+            )
             if calls:
                 message = Message(
                     content,

@@ -8,8 +8,8 @@ An episode is an OpenAI function-calling loop run through the in-process agent c
         no call in the reply: the episode is over (its final answer is the reply)
         else: run each call, append the reply and a `tool` message with each result
 
-Calls are the Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` that Qwen2.5,
-Qwen3 and Hermes templates teach. The replies train; the template's text, the question and the tool
+Calls are written in the template's format (Hermes `<tool_call>` of Qwen2.5 and Qwen3, Llama 3 JSON,
+Mistral `[TOOL_CALLS]`, Qwen3-Coder XML: wire/tool_calls.py). The replies train; the template's text, the question and the tool
 results do not.
 """
 

@@ -95,6 +95,7 @@ from arealcli.runtime.wire.sglang import (
     parse_generate,
     shown,
 )
+from arealcli.runtime.wire.tool_calls import call_text
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class GenerationService:
         self.weights_dir = weights_dir  # /update_weights_from_disk loads only from below it (when set)
         self.served_model_name = runner.model_path
         self.tokenizer_path = runner.tokenizer_path
+        self.tool_format: str | None = None  # tool calls' format (tool_calls.FORMATS); None: the template's
         self.shutting_down = False
         # one thread tokenizes long texts and renders chat templates: off the event loop, one at a time
         self._tokenizing = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -279,9 +281,11 @@ class GenerationService:
         except DataError as e:
             raise ProtocolError(f"{field}: {e}") from None
 
-    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], Any]:
-        """The chat's prompt tokens and its images (run in the tokenizer's thread); texts that cannot fit
-        are refused first."""
+    def _render_chat(
+        self, messages: list[dict], tools: list[dict] | None, start: str = ""
+    ) -> tuple[list[int], Any]:
+        """The chat's prompt tokens and its images (run in the tokenizer's thread), `start` (a tool call
+        started for the model) after the generation prompt; texts that cannot fit are refused first."""
         sent = [url for m in messages for url in m.pop("images", [])]
         chars = sum(len(m["content"]) for m in messages) + (len(json.dumps(tools)) if tools else 0)
         self.check_text(chars, "messages")
@@ -296,6 +300,7 @@ class GenerationService:
             )
         except Exception as e:  # the template's own checks (roles, order) raise
             raise ProtocolError(f"the chat template cannot render these messages: {e}") from None
+        rendered += start
         if sent:
             ids, seen = self._with_images(rendered, sent, "messages")
             return self._checked_prompt(ids), seen
@@ -455,7 +460,13 @@ class GenerationService:
             [[(pieces[t], v) for t, v in top] for top in tops] if req.top_logprobs else [],
             echo,
             prompt_lp,
+            call_text(out, req.tool_start, r.decode, self._decode_raw) if req.tools else None,
         )
+
+    def _decode_raw(self, ids: list[int]) -> str:
+        """Token ids as text with their special tokens (where tool-call formats put their marks)."""
+        tok = self.runner.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
 
     async def _stream(
         self,
@@ -578,7 +589,9 @@ class GenerationService:
         template = getattr(tok, "chat_template", None) if tok is not None else None
         mark = vision.IMAGE_MARK if self.runner.images is not None else None
         return await self._openai(
-            await self._off_loop(parse_chat_request, body, self._render_chat, template, mark)
+            await self._off_loop(
+                parse_chat_request, body, self._render_chat, template, mark, self.tool_format
+            )
         )
 
     def _model_name(self, req: OpenAIRequest) -> str:
@@ -1355,6 +1368,7 @@ def make_server(
     max_connections: int = 1024,
     max_requests: int = 1024,
     adapters: list[tuple[str, str]] | None = None,
+    tool_format: str | None = None,
 ) -> GenerationServer:
     """Bind the socket (port 0 = any free port), then load the model (and the LoRA `adapters`, (name,
     folder) each) and start the batching loop. The port is held from the start: no other process can take
@@ -1378,8 +1392,10 @@ def make_server(
     # 0.3-0.5 s per full collection under load, during which neither thread runs.
     gc.collect()
     gc.freeze()
+    service = GenerationService(runner, scheduler, max_n, weights_dir)
+    service.tool_format = tool_format
     return GenerationServer(
-        GenerationService(runner, scheduler, max_n, weights_dir),
+        service,
         sock,
         log_requests,
         max_body_mb,

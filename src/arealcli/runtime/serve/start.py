@@ -34,6 +34,7 @@ class ServeFlags:
     num_threads: int
     log_requests: bool
     lora: list[str]  # NAME=DIR, each a LoRA adapter served beside the base
+    tool_call_parser: str | None = None  # how the model writes tool calls (None: its template's format)
 
 
 def adapters_of(f: ServeFlags) -> list[tuple[str, str]]:
@@ -61,10 +62,15 @@ def adapters_of(f: ServeFlags) -> list[tuple[str, str]]:
 
 def refuse(f: ServeFlags) -> None:
     """UserError (exit 2) on a folder that is not a model, an admin key alone, a reachable address
-    without a key, or a --lora option that cannot be served."""
+    without a key, a --lora option that cannot be served or an unknown --tool-call-parser."""
     if not (f.model / "config.json").is_file():
         raise UserError(f"--model {f.model}: not a Hugging Face model directory (no config.json)")
     adapters_of(f)
+    from arealcli.runtime.wire.tool_calls import FORMATS  # no torch: a refusal comes at once
+
+    if f.tool_call_parser is not None and f.tool_call_parser not in FORMATS:
+        known = ", ".join(sorted(FORMATS))
+        raise UserError(f"--tool-call-parser {f.tool_call_parser}: not a known format ({known})")
     if f.admin_key is not None and f.api_key is None:
         raise UserError("--admin-key needs --api-key (or AREAL_API_KEY): the other endpoints would be open")
     if f.api_key is None and not f.allow_unauthenticated and not is_loopback_host(f.host):
@@ -102,6 +108,7 @@ def server(f: ServeFlags):
             max_connections=f.max_connections,
             max_requests=f.max_requests,
             adapters=adapters_of(f),
+            tool_format=f.tool_call_parser,
         )
     except AdapterError as e:
         raise UserError(f"--lora: {e}") from None

@@ -9,11 +9,12 @@ be pointed at a policy while it trains.
     GET  /v1/models
 
 Chat prompts are rendered with the served tokenizer's chat template (its generation prompt appended).
-Function calling: `tools` are rendered by the chat template; calls the model writes in the Hermes format
-that Qwen2.5/Qwen3 and Hermes templates teach, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+Function calling: `tools` are rendered by the chat template; calls the model writes in its template's
+format (Hermes `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`, Qwen3-Coder XML: `tool_calls.py`)
 come back as `message.tool_calls` (arguments as a JSON text) with finish_reason "tool_calls", and the
-text before the first call as `content`. Assistant messages with `tool_calls` and `tool` messages are
-passed to the template with the arguments as objects (as Hugging Face templates expect).
+text before the first call as `content`; `tool_choice` auto, none, required or a named function (the
+call started for the model). Assistant messages with `tool_calls` and `tool` messages are passed to the
+template with the arguments as objects (as Hugging Face templates expect).
 As with OpenAI, a matched `stop` text is not part of the returned text; `stop_reason` (vLLM's field)
 says which stop text or stop token id ended a choice (None: the end-of-sequence token).
 Every choice also carries `token_ids` (the generated tokens) and `prompt_token_ids`, and a response its
@@ -43,7 +44,7 @@ in `token_ids` (its prompt's in `prompt_token_ids` of its first chunk) and, when
 up to the whole answer's text and tokens: text that may turn out to be part of a stop text (or, with
 tools, of a tool call) is held back until it is known; tool calls come in the last chunk, whole.
 
-What the embedded server cannot do (forced tool calls, penalties, per-request seeds of sampled requests,
+What the embedded server cannot do (penalties, per-request seeds of sampled requests,
 `best_of`, `suffix`, chat `echo`) is refused with a message saying so, never silently ignored.
 """
 
@@ -52,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -68,6 +68,7 @@ from arealcli.runtime.wire.sglang import (
     shown,
     token_ids,
 )
+from arealcli.runtime.wire.tool_calls import FORMATS, ToolFormat, format_of
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token (vLLM's default limit)
 
@@ -88,7 +89,7 @@ _NEUTRAL: dict[str, tuple] = {
     "response_format": ({"type": "text"},),
 }
 _WHY = {
-    "tools": "tools are offered through /v1/chat/completions (`tools`, with `tool_choice` auto or none)",
+    "tools": "tools are offered through /v1/chat/completions (`tools` and `tool_choice`)",
     "echo": "echo is for /v1/completions",
 }
 _IGNORED = {"model", "user", "metadata", "store", "service_tier", "return_token_ids", "skip_special_tokens"}
@@ -116,7 +117,6 @@ CHAT_FIELDS = _COMMON | {
     "tool_choice",
     "parallel_tool_calls",
 }
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass
@@ -129,6 +129,8 @@ class OpenAIRequest:
     stop_ids: tuple[int, ...]  # `stop_token_ids`
     tools: list[dict] | None = None  # offered tools: parse the model's calls
     parallel_tool_calls: bool = True
+    tool_format: ToolFormat | None = None  # how the model writes calls (with tools)
+    tool_start: str = ""  # the start of a call put after the generation prompt (tool_choice required/named)
     top_logprobs: int = 0  # alternatives per token (completions' `logprobs: N`, chat's `top_logprobs`)
     echo: bool = False  # completions: the prompt (and its log-probs) before the generated text
     stream: bool = False
@@ -397,9 +399,19 @@ def chat_message(message: Any, i: int, image_mark: str | None = None) -> dict[st
     return out
 
 
-def parse_tools(body: dict, template: str | None) -> tuple[list[dict] | None, bool]:
-    """The offered tools when the model may call them (tool_choice auto), else None; and whether
-    several calls may come back (parallel_tool_calls)."""
+@dataclass
+class OfferedTools:
+    """The tools a chat request offers the model, and how its calls are written and read."""
+
+    tools: list[dict] | None = None  # None: no tools in the prompt (none offered, or tool_choice none)
+    parallel: bool = True  # several calls may come back (parallel_tool_calls)
+    format: ToolFormat | None = None
+    start: str = ""  # the start of a call written for the model (tool_choice required or named)
+
+
+def parse_tools(body: dict, template: str | None, format_name: str | None = None) -> OfferedTools:
+    """The request's `tools`, `tool_choice` and `parallel_tool_calls`; the format is the one named
+    (`format_name`) or the chat template's (tool_calls.format_of)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -407,7 +419,7 @@ def parse_tools(body: dict, template: str | None) -> tuple[list[dict] | None, bo
     if tools is None or tools == []:
         if choice not in (None, "none", "auto"):
             raise ProtocolError(f"tool_choice={shown(choice)} needs tools")
-        return None, parallel is not False
+        return OfferedTools(parallel=parallel is not False)
     if not isinstance(tools, list) or not all(
         isinstance(t, dict)
         and t.get("type") == "function"
@@ -419,62 +431,37 @@ def parse_tools(body: dict, template: str | None) -> tuple[list[dict] | None, bo
             "tools must be a list of {type: function, function: {name, description, parameters}}"
         )
     if choice == "none":
-        return None, parallel is not False  # as vLLM: the tools stay out of the prompt
-    if choice not in (None, "auto"):
+        return OfferedTools(parallel=parallel is not False)  # as vLLM: the tools stay out of the prompt
+    names = [t["function"]["name"] for t in tools]
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if isinstance(choice, dict) and (choice.get("type") != "function" or named not in names):
         raise ProtocolError(
-            f"tool_choice={shown(choice)} is not supported: forcing a call needs constrained decoding; "
-            "use auto (the model decides) or none"
+            f"tool_choice={shown(choice)} must be auto, none, required or "
+            f"{{type: function, function: {{name}}}} naming an offered tool ({', '.join(names)})"
         )
-    if TOOL_OPEN not in str(template or ""):
+    if not isinstance(choice, dict) and choice not in (None, "auto", "required"):
+        raise ProtocolError(f"tool_choice={shown(choice)} must be auto, none, required or a named function")
+    form = format_of(template, format_name)
+    if form is None:
         raise ProtocolError(
-            "tools need a chat template that writes Hermes-style calls "
-            f"({TOOL_OPEN}{{...}}{TOOL_CLOSE}, as Qwen2.5, Qwen3 and Hermes models do); the served one does not"
+            "tools need a chat template that writes tool calls in a known format "
+            f"({', '.join(sorted(FORMATS))}); the served one shows none of them: name one "
+            "(areal serve --tool-call-parser NAME)"
         )
-    return tools, parallel is not False
-
-
-_CALL = re.compile(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CLOSE), re.S)
-
-
-def parse_tool_calls(text: str, ids: list[str], parallel: bool = True) -> tuple[str | None, list[dict]]:
-    """(content, tool calls) of a generated text: Hermes-style `<tool_call>{"name", "arguments"}</tool_call>`
-    blocks become OpenAI tool calls (arguments as a JSON text; `ids` names them), the text before the
-    first call the content (trailing whitespace dropped; None when blank). A block that is not such JSON leaves the whole text as
-    content with no calls (as vLLM's hermes parser does)."""
-    calls = []
-    for k, m in enumerate(_CALL.finditer(text)):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append(
-            {
-                "id": ids[k] if k < len(ids) else f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)},
-            }
-        )
-    if not calls:
-        return text, []
-    # the text before the first call, without the whitespace that separates it from the call (templates
-    # such as Qwen2.5's put their own newline there when they render the message back)
-    content = text[: text.index(TOOL_OPEN)].rstrip()
-    return (content or None), calls if parallel else calls[:1]
+    return OfferedTools(tools, parallel is not False, form, form.start(choice))
 
 
 def parse_chat_request(
-    body: Any, render, template: str | None, image_mark: str | None = None
+    body: Any, render, template: str | None, image_mark: str | None = None, tool_format: str | None = None
 ) -> OpenAIRequest:
-    """`render(messages, tools) -> (token ids, images)` applies the served tokenizer's chat template
-    (`template`); `image_mark`: see `chat_message`."""
+    """`render(messages, tools, start) -> (token ids, images)` applies the served tokenizer's chat template
+    (`template`), `start` after its generation prompt; `image_mark`: see `chat_message`; `tool_format`:
+    the tool-call format named by the server (else the template's)."""
     body = _check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("messages must be a non-empty list of {role, content}")
-    tools, parallel = parse_tools(body, template)
+    offered = parse_tools(body, template, tool_format)
     top = _top(body, "top_logprobs")
     logprobs = _flag(body, "logprobs")
     if top and not logprobs:
@@ -485,15 +472,18 @@ def parse_chat_request(
     stream, usage = _stream(body)
     sampling = _sampling(body, max_tokens, stops)
     # rendered last: a request with a bad field is refused before the template's work
-    prompt, images = render([chat_message(m, i, image_mark) for i, m in enumerate(messages)], tools)
+    messages = [chat_message(m, i, image_mark) for i, m in enumerate(messages)]
+    prompt, images = render(messages, offered.tools, offered.start)
     return OpenAIRequest(
         [prompt],
         sampling,
         logprobs,
         True,
         *stops,
-        tools,
-        parallel,
+        offered.tools,
+        offered.parallel,
+        offered.format,
+        offered.start,
         top_logprobs=top,
         stream=stream,
         include_usage=usage,
@@ -607,6 +597,7 @@ class Choice:
     tops: list[Top] = field(default_factory=list)  # each token's alternatives (when asked for)
     echo: str | None = None  # the prompt's text, when echoed
     prompt_logprobs: Logprobs | None = None  # the echoed prompt's (when log-probs were asked for)
+    call_text: str | None = None  # with tools: the reply as tool calls are read from (tool_calls.call_text)
 
     def generated_logprobs(self) -> Logprobs:
         return Logprobs(
@@ -664,9 +655,9 @@ def chat_logprobs(lp: Logprobs, top_n: int) -> dict[str, Any]:
 def _tool_message(req: OpenAIRequest, c: Choice) -> tuple[dict[str, Any], str]:
     """The assistant message of a chat choice and its finish reason (tool calls parsed when tools)."""
     message: dict[str, Any] = {"role": "assistant", "content": c.text}
-    if req.tools:
-        ids = [f"call_{uuid.uuid4().hex[:24]}" for _ in range(c.text.count(TOOL_OPEN))]
-        content, calls = parse_tool_calls(c.text, ids, req.parallel_tool_calls)
+    if req.tools and req.tool_format is not None:
+        text = c.call_text if c.call_text is not None else c.text
+        content, calls = req.tool_format.parse(text, req.tools, req.parallel_tool_calls)
         if calls:
             return (
                 {"role": "assistant", "content": content, "tool_calls": calls},
@@ -734,7 +725,10 @@ def streamable(text: str, req: OpenAIRequest) -> int:
     """How much of a choice's text so far may be streamed: not from a stop text on (nor from a tool call,
     when tools are offered), not a tail that may begin one, not a trailing half character, and with
     tools no trailing whitespace (a tool call after it drops it)."""
-    markers = req.stop_texts + ((TOOL_OPEN,) if req.tools else ())
+    if req.tools and req.tool_format is not None and (req.tool_start or req.tool_format.visible is None):
+        return 0  # a call that special tokens hide, or one started for the model: known at the end
+    visible = req.tool_format.visible if req.tools and req.tool_format is not None else None
+    markers = req.stop_texts + ((visible,) if visible else ())
     end = len(text)
     for m in markers:
         at = text.find(m)

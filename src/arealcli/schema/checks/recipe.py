@@ -99,7 +99,7 @@ def check_chat_workflows(recipe: Recipe) -> list[Problem]:
             Problem(
                 ("tokenizer",),
                 "the function_calling workflow needs a chat template; the char tokenizer has none "
-                "(set tokenizer.chat_template, one that writes <tool_call> calls)",
+                "(set tokenizer.chat_template, one that writes tool calls: Hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS] or Qwen3-Coder)",
             )
         )
     return problems

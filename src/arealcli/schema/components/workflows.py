@@ -71,10 +71,11 @@ class AgentArgs(StrictModel):
 
 
 class FunctionCallingArgs(AgentArgs, ToolSet):
-    """Function calling in the model's own chat template (Hermes-style calls: Qwen2.5, Qwen3, Hermes).
+    """Function calling in the model's own chat template (calls in its format: Hermes, Llama 3 JSON,
+    Mistral, Qwen3-Coder).
 
     The question goes in a user message, the tools are offered as OpenAI function schemas, each
-    `<tool_call>{...}</tool_call>` the model writes is run and answered with a `tool` message, until a
+    call the model writes is run and answered with a `tool` message, until a
     reply without a call (or max_turns). The dataset's prompts are plain questions (not rendered with the
     chat template: the workflow renders the conversation)."""
 
