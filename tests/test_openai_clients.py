@@ -246,7 +246,7 @@ def test_what_may_be_streamed_yet():
     tools = [{"type": "function", "function": {"name": "f"}}]
     chat = parse_chat_request(
         {"messages": [{"role": "user", "content": "x"}], "tools": tools},
-        lambda m, t: ([1], None),
+        lambda m, t, start: ([1], None),
         "<tool_call>",
     )
     assert streamable("Sure. <tool", chat) == 5  # a call may begin: it and the space before it wait

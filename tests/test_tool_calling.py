@@ -241,7 +241,11 @@ def test_function_calling_through_the_openai_client(tool_server, tool_tok):
         (named, '<tool_call>\n{"name": "calculator", "arguments": '),
     ):
         forced = client.chat.completions.create(
-            model="p", messages=[{"role": "user", "content": f"{a}*{b}"}], tools=TOOLS, tool_choice=choice
+            model="p",
+            messages=[{"role": "user", "content": f"{a}*{b}"}],
+            tools=TOOLS,
+            tool_choice=choice,
+            temperature=0,
         ).choices[0]
         assert tool_tok.decode(forced.model_extra["prompt_token_ids"]).endswith(f"a: {start}")
         assert forced.finish_reason == "tool_calls" and forced.message.content is None, forced
