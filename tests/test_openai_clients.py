@@ -251,6 +251,15 @@ def test_what_may_be_streamed_yet():
     )
     assert streamable("Sure. <tool", chat) == 5  # a call may begin: it and the space before it wait
     assert streamable('Sure. <tool_call>{"name"', chat) == 5
+    # a call the server started for the model (tool_choice required): the reply is the call's rest, and
+    # none of it is content to stream; `start` reaches the renderer
+    started = []
+    forced = parse_chat_request(
+        {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "required"},
+        lambda m, t, start: (started.append(start), ([1], None))[1],
+        "<tool_call>",
+    )
+    assert started == ["<tool_call>"] and streamable("abc", forced) == 0
 
 
 def test_streamed_chat_and_usage(served, client):
