@@ -18,6 +18,7 @@ from arealcli.commands.common import (
 )
 from arealcli.runtime.agents.reachable import workflow_problems
 from arealcli.runtime.data.images import image_problems
+from arealcli.runtime.verifiers_configs import verifiers_problems
 from arealcli.schema.paths import path_problems
 
 
@@ -43,6 +44,7 @@ def check(
     ]
     errors += image_problems(resolved, recipe.resolve().parent)
     errors += workflow_problems(resolved)
+    errors += verifiers_problems(resolved)
     if errors:
         raise fail(errors)
     if print_:

@@ -23,6 +23,7 @@ from arealcli.runtime.run import supervise
 from arealcli.runtime.run.launch import LaunchSpec
 from arealcli.runtime.run.session import apply_permissions, restores_umask, run_dir_for
 from arealcli.runtime.run.supervise import ClusterFlags, Invocation
+from arealcli.runtime.verifiers_configs import verifiers_problems
 from arealcli.schema.paths import path_problems
 
 Resume = Annotated[bool, flag("--resume", "Continue from the run directory's last checkpoint.")]
@@ -115,6 +116,7 @@ def train(
     errors = [f"{src.where(p.where)}: {'.'.join(map(str, p.where))}: {p.message}" for p in problems]
     errors += image_problems(resolved, recipe.resolve().parent)
     errors += workflow_problems(resolved)
+    errors += verifiers_problems(resolved)
     if errors:
         raise fail(errors)
     run_dir = run_dir_for(resolved, output_dir)

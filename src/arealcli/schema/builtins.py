@@ -20,7 +20,14 @@ from arealcli.schema.components.backends import (
     SGLangBackendArgs,
     VLLMBackendArgs,
 )
-from arealcli.schema.components.datasets import MARGIN, PAIR, ChatArgs, PreferenceArgs, PromptAnswerArgs
+from arealcli.schema.components.datasets import (
+    MARGIN,
+    PAIR,
+    ChatArgs,
+    PreferenceArgs,
+    PromptAnswerArgs,
+    VerifiersTasksArgs,
+)
 from arealcli.schema.components.interfaces import (
     RETURNS_OUTPUTS,
     TOPK_IDS,
@@ -39,7 +46,7 @@ from arealcli.schema.components.interfaces import (
     SFTArgs,
     TopKDistillArgs,
 )
-from arealcli.schema.components.workflows import FunctionCallingArgs, OpenEnvArgs, ToolUseArgs
+from arealcli.schema.components.workflows import FunctionCallingArgs, OpenEnvArgs, ToolUseArgs, VerifiersArgs
 from arealcli.schema.registry import (
     ADVANTAGES,
     BACKENDS,
@@ -299,6 +306,7 @@ _DATASETS: list[tuple[str, str, type[BaseModel], frozenset[str]]] = [
     ("prompt_answer", "datasets:PromptAnswerDataset", PromptAnswerArgs, PROMPT_ANSWER_KEYS),
     ("chat", "datasets:ChatDataset", ChatArgs, CHAT_KEYS),
     ("preference", "preferences:PreferenceDataset", PreferenceArgs, PREFERENCE_KEYS),
+    ("verifiers", "tasksets:VerifiersTasksDataset", VerifiersTasksArgs, PROMPT_ANSWER_KEYS | {"task"}),
 ]
 for _name, _target, _args, _keys in _DATASETS:
     DATASETS.add(Entry(_name, f"{_R}.data.{_target}", _args, _args.__doc__ or "", "builtin", data_keys=_keys))
@@ -312,6 +320,7 @@ _WORKFLOWS: list[tuple[str, str, type[BaseModel]]] = [
     ("tool_use", "agents.workflows:ToolUseWorkflow", ToolUseArgs),
     ("function_calling", "agents.function_calling:FunctionCallingWorkflow", FunctionCallingArgs),
     ("openenv", "agents.openenv:OpenEnvWorkflow", OpenEnvArgs),
+    ("verifiers", "agents.verifiers_env:VerifiersWorkflow", VerifiersArgs),
 ]
 for _name, _target, _args in _WORKFLOWS:
     WORKFLOWS.add(Entry(_name, f"{_R}.{_target}", _args, _args.__doc__ or "", "builtin"))

@@ -183,7 +183,10 @@ def _warmup(g: _RL) -> None:
 def _generate(g: _RL) -> None:
     model = "actor_gen" if "actor_gen" in g.models else "actor"  # e.g. generation servers of the actor
     outputs = GEN_OUT + g.episode
-    g.add("actor", _call("actor_gen", model, "ppo_actor", g.actor, "generate", ["packed_prompts"], outputs))
+    workflow = g.actor.get("workflow")
+    tasks = isinstance(workflow, dict) and workflow.get("type_") == "verifiers"  # it runs each row's task
+    inputs = ["packed_prompts", "task"] if tasks else ["packed_prompts"]
+    g.add("actor", _call("actor_gen", model, "ppo_actor", g.actor, "generate", inputs, outputs))
 
 
 def _reward(g: _RL) -> None:

@@ -96,4 +96,10 @@ def with_absolute_paths(data: dict[str, Any], recipe_dir: Path) -> dict[str, Any
         args = workflow.get("args") if isinstance(workflow, dict) else None
         if isinstance(args, dict) and args.get("app") and not args.get("app_dir"):
             args["app_dir"] = str(recipe_dir.resolve())
+        if isinstance(args, dict) and args.get("env") and not args.get("env_dir"):  # a verifiers env's
+            args["env_dir"] = str(recipe_dir.resolve())
+    for key in ("dataset", "eval_dataset"):  # a verifiers taskset's module: the recipe's folder
+        args = (data.get(key) or {}).get("args")
+        if isinstance(args, dict) and args.get("taskset") and not args.get("taskset_dir"):
+            args["taskset_dir"] = str(recipe_dir.resolve())
     return data

@@ -296,17 +296,28 @@ class AgentClient:
             text = kwargs["prompt"]
             if isinstance(text, list):
                 return list(text), None
+
         # Text that continues an earlier request keeps that request's tokens (the model's own: re-encoding
         # generated text may split it differently); only the new text is encoded.
-        known = [r.prompt_ids + r.output_ids for r in reversed(self.requests)] + [self.prompt_ids]
-        for ids in known:
+        # A conversation that goes on from the last reply, rendered otherwise than the model wrote it, keeps
+        # the reply's tokens too (`_spliced`) before it is taken as a new turn after the episode's prompt.
+        def extended(ids: list[int]) -> list[int] | None:
             before = tok.decode(ids)
-            if text.startswith(before):
-                rest = text[len(before) :]
-                return ids + (tok(rest, add_special_tokens=False)["input_ids"] if rest else []), text
+            if not text.startswith(before):
+                return None
+            rest = text[len(before) :]
+            return ids + (tok(rest, add_special_tokens=False)["input_ids"] if rest else [])
+
+        for r in reversed(self.requests):
+            found = extended(r.prompt_ids + r.output_ids)
+            if found is not None:
+                return found, text
         spliced = self._spliced(messages, tools, text) if messages else None
         if spliced is not None:
             return spliced, text
+        found = extended(self.prompt_ids)
+        if found is not None:
+            return found, text
         return tok(text, add_special_tokens=False)["input_ids"], text
 
     def _spliced(self, messages: list[dict], tools, text: str) -> list[int] | None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from arealcli.errors import UserError
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.eval.metrics import PromptResult
 from arealcli.schema.components.engine import GenerationHyperparameters, MicroBatchSpec
@@ -26,6 +27,7 @@ class Generated:
     ids: list[int]
     text: str
     truncated: bool  # cut at max_new_tokens
+    reward: float | None = None  # an environment's score of the episode (an environment workflow's)
 
 
 class EngineTarget:
@@ -42,14 +44,17 @@ class EngineTarget:
             data = self.episodes(batch, g)
             _, texts = decode_responses(self.tokenizer, data)
             out = []
-            for ids, pm, cut, text in zip(
+            rewards = data.unpack("env_rewards") if "env_rewards" in data.keys else [None] * data.bs
+            for ids, pm, cut, text, reward in zip(
                 data.unpack("packed_input_ids"),
                 data.unpack("prompt_mask"),
                 data.unpack("seq_no_eos_mask"),
                 texts,
+                rewards,
                 strict=True,
             ):
-                out.append(Generated(ids[~pm.bool()].tolist(), text, bool(cut.item())))
+                scored = None if reward is None else float(reward.item())
+                out.append(Generated(ids[~pm.bool()].tolist(), text, bool(cut.item()), scored))
             return out
         gen = self.model.module.generate(batch, MicroBatchSpec(), self.tokenizer, g)
         return [
@@ -101,22 +106,34 @@ def evaluate(
 def _evaluate(target, batches, plan: EvalPlan, progress) -> list[PromptResult]:
     from arealcli.runtime.registry import get_reward
 
-    reward_fn, extract = plan.scorer or get_reward(plan.reward), answer_extractor(plan.reward)
+    if plan.scorer is None and plan.reward == "environment":  # the environment scored each episode
+        reward_fn, extract = None, answer_extractor(plan.reward)
+    else:
+        reward_fn, extract = plan.scorer or get_reward(plan.reward), answer_extractor(plan.reward)
+
+    def score(prompts: list, out: list[Generated], answers: list) -> list:
+        if reward_fn is not None:
+            return reward_fn(prompts, [o.text for o in out], answers)
+        if any(o.reward is None for o in out):
+            raise UserError(
+                "eval_reward_fn environment needs an environment workflow that scores its episodes"
+            )
+        return [o.reward for o in out]
+
     results: list[PromptResult] = []
     for batch in batches:
         prompts, answers = batch.meta["prompt"], batch.meta["answers"]
         rows = [PromptResult(p, list(a)) for p, a in zip(prompts, answers, strict=True)]
         if plan.greedy is not None:
             out = target.generate(batch, plan.greedy)
-            scores = reward_fn(prompts, [o.text for o in out], answers)
+            scores = score(prompts, out, answers)
             for row, o, s in zip(rows, out, scores, strict=True):
                 row.greedy, row.greedy_reward = o.text, float(s)
         if plan.sampled is not None:
             n = plan.sampled.n
             out = target.generate(batch.repeat_interleave(n), plan.sampled)
-            texts = [o.text for o in out]
-            scores = reward_fn(
-                [p for p in prompts for _ in range(n)], texts, [a for a in answers for _ in range(n)]
+            scores = score(
+                [p for p in prompts for _ in range(n)], out, [a for a in answers for _ in range(n)]
             )
             for i, row in enumerate(rows):
                 mine = out[i * n : (i + 1) * n]

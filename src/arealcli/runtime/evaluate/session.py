@@ -276,6 +276,7 @@ def _dataset(s: Target, flags: EvalFlags) -> dict[str, Any]:
     }
 
 
+ENVIRONMENT = "environment"  # --reward environment: the workflow's environment scores each episode
 JUDGE = "judge"  # --reward judge: the recipe's judge scores (runtime/evaluate/judge.py)
 
 
@@ -293,6 +294,12 @@ def settings(s: Target, flags: EvalFlags) -> dict[str, Any]:
         args, model_dir = judge_of(recipe, "its recipe" if flags.recipe is None else str(flags.recipe))
         where = {"url": args.url} if model_dir is None else {"model": model_dir}
         judge = {"judge": {**where, "template": args.template}, "_judge_args": args}
+    elif name == ENVIRONMENT:
+        if not (flags.workflow and actor is not None and actor.workflow is not None):
+            raise UserError(
+                f"--reward {ENVIRONMENT}: the environment of the recipe's workflow scores the episodes; "
+                "the recipe has none" + ("" if flags.workflow else " in use (--no-workflow)")
+            )
     elif name not in REWARDS.names():
         raise UserError(
             f"--reward {name}: no such reward function (registered: {', '.join(REWARDS.names())}, or "

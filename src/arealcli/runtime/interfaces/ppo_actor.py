@@ -120,7 +120,9 @@ class PPOActorInterface(ModelInterface):
         tokens."""
         prompts = [p.tolist() for p in rep.unpack("packed_prompts")]
         images = per_sample_images(rep)  # a vision-language model's: each turn generates with them
-        extra = {"images": images} if images is not None else {}
+        extra: dict[str, Any] = {"images": images} if images is not None else {}
+        if getattr(workflow, "takes_tasks", False):  # an environment's tasks (the `verifiers` dataset's)
+            extra["tasks"] = rep.meta.get("task")
         episodes = workflow.run(model.module, model.tokenizer, prompts, g, **extra)
         seqs, prompt_masks, loss_masks, logprobs, no_eos, versions, lasts = [], [], [], [], [], [], []
         for prompt, ep in zip(prompts, episodes, strict=True):

@@ -120,3 +120,35 @@ class PreferenceArgs(DataSourceArgs):
         description="Field holding each pair's margin m, a number: how much better the chosen response "
         "is (a reward model's loss -log sigma(s_w - s_l - m)); without it every margin is 0.",
     )
+
+
+class VerifiersTasksArgs(StrictModel):
+    """The tasks of a verifiers taskset (verifiers >= 0.4): each task one row, its prompt rendered with the
+    chat template; train on them with the `verifiers` workflow, which runs the environment on each."""
+
+    taskset: dict[str, object] = Field(
+        description="The taskset's config as verifiers takes it: {id: MODULE, ...its fields}; the module is "
+        "an installed package or one found beside the recipe.",
+    )
+    taskset_dir: str | None = Field(
+        None,
+        description="A folder to find the taskset's module in, before the recipe's and the current directory "
+        "(the run's recipe.yaml records the recipe's folder here).",
+    )
+    skip: int = Field(0, ge=0, description="Leave out the first N tasks.")
+    limit: PositiveInt | None = Field(None, description="Use only N tasks (after skip).")
+    answer_key: str | None = Field(
+        "answer",
+        description="The task field with a reference answer: SFT (a warm-up) learns the prompt + it; tasks "
+        "without the field train no SFT tokens.",
+    )
+    append_eos: bool = Field(True, description="End the SFT answer with the tokenizer's EOS token.")
+    max_length: PositiveInt = Field(1024, le=1 << 22, description="Longest sequence in tokens.")
+
+    @model_validator(mode="after")
+    def _taskset_named(self) -> VerifiersTasksArgs:
+        if not isinstance(self.taskset.get("id"), str) or not self.taskset.get("id"):
+            raise ValueError(
+                "taskset needs its id: the module that exports the Taskset (e.g. {id: my_tasks})"
+            )
+        return self

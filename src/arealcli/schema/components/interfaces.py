@@ -18,6 +18,9 @@ from arealcli.schema.registry import (
     WORKFLOWS,
 )
 
+# eval_reward_fn: the environment's reward of each held-out episode (an environment workflow's)
+ENVIRONMENT = "environment"
+
 
 def _registered_reward(name: str | None) -> str | None:
     """A reward function name must be registered (checked by `areal check`, not at the first use)."""
@@ -188,13 +191,17 @@ class PPOActorArgs(StrictModel):
     eval_reward_fn: str | None = Field(
         None,
         description="Reward that scores held-out prompts (greedy decoding); default: the training reward "
-        "(a preset's reward_fn), else math.",
+        "(a preset's reward_fn), else math. `environment`: the reward an environment workflow (openenv, "
+        "verifiers) gives each held-out episode.",
     )
     eval_max_new_tokens: PositiveInt | None = Field(
         None, le=1 << 22, description="Default: generation.max_new_tokens."
     )
 
-    _known = field_validator("eval_reward_fn")(_registered_reward)
+    @field_validator("eval_reward_fn")
+    @classmethod
+    def _known(cls, name: str | None) -> str | None:
+        return name if name == ENVIRONMENT else _registered_reward(name)
 
     @field_validator("policy_loss", "adv_norm", "kl_estimator")
     @classmethod

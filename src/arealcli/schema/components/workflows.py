@@ -172,3 +172,40 @@ class OpenEnvArgs(StrictModel):
                     f"reset_args.{key} names {sorted(fields - {'prompt'})}: only {{prompt}} (the dataset's prompt) is filled in"
                 )
         return self
+
+
+class VerifiersArgs(AgentArgs):
+    """A verifiers environment (verifiers >= 0.4: Taskset, Env, rewards) run on each task of the batch.
+
+    The environment runs unchanged: its rollout logic, its rubric (`@vf.reward` methods), its tools. Its
+    model calls go to an OpenAI-compatible chat endpoint this run serves on 127.0.0.1 (one path per
+    episode), answered by the policy in batched generate calls; the token ids and log-probs that train are
+    the ones generated there. Every role of the env runs the `arealcli_chat` harness (verifiers' `null`
+    chat program, in this process) unless the recipe names another. The episode's reward is the trace's
+    (the weighted sum of its rewards); each reward and metric is logged as `env/NAME`. The dataset is the
+    `verifiers` dataset of the same taskset. Rewards need `reward: {environment: true}` in the dataflow."""
+
+    env: dict[str, object] = Field(
+        description="The env's config as verifiers takes it (`vf.resolve_env_config`): {taskset: {id, ...}, "
+        "id: ENV (optional), ROLE: {harness, max_turns, ...}, ...the env's own fields}.",
+    )
+    env_dir: str | None = Field(
+        None,
+        description="A folder to find the env's modules in, before the recipe's and the current directory "
+        "(the run's recipe.yaml records the recipe's folder here).",
+    )
+    model_name: str = Field(
+        "policy", min_length=1, description="The model name the environment's calls carry."
+    )
+    max_total_tokens: PositiveInt = Field(
+        256,
+        le=1 << 20,
+        description="Token budget of an episode after its prompt (model and inserted tokens).",
+    )
+
+    @model_validator(mode="after")
+    def _taskset_named(self) -> VerifiersArgs:
+        taskset = self.env.get("taskset")
+        if not isinstance(taskset, dict) or not isinstance(taskset.get("id"), str):
+            raise ValueError("env needs its taskset: {taskset: {id: MODULE, ...}}")
+        return self
