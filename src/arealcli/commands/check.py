@@ -18,7 +18,7 @@ from arealcli.commands.common import (
 )
 from arealcli.runtime.agents.reachable import workflow_problems
 from arealcli.runtime.data.images import image_problems
-from arealcli.runtime.verifiers_configs import verifiers_problems
+from arealcli.runtime.data.verifiers_configs import verifiers_problems
 from arealcli.schema.paths import path_problems
 
 

@@ -19,11 +19,11 @@ from arealcli.commands.common import (
 from arealcli.errors import UserError
 from arealcli.runtime.agents.reachable import workflow_problems
 from arealcli.runtime.data.images import image_problems
+from arealcli.runtime.data.verifiers_configs import verifiers_problems
 from arealcli.runtime.run import supervise
 from arealcli.runtime.run.launch import LaunchSpec
 from arealcli.runtime.run.session import apply_permissions, restores_umask, run_dir_for
 from arealcli.runtime.run.supervise import ClusterFlags, Invocation
-from arealcli.runtime.verifiers_configs import verifiers_problems
 from arealcli.schema.paths import path_problems
 
 Resume = Annotated[bool, flag("--resume", "Continue from the run directory's last checkpoint.")]

@@ -40,8 +40,8 @@ from typing import Any
 from arealcli.errors import UserError
 from arealcli.runtime.agents.agent import AgentClient, Completion, _Batcher
 from arealcli.runtime.agents.workflows import Episode
+from arealcli.runtime.data.verifiers_configs import env_config, import_verifiers
 from arealcli.runtime.engines.inference import EventLoopThread
-from arealcli.runtime.verifiers_configs import env_config, import_verifiers
 from arealcli.schema.components.engine import GenerationHyperparameters
 from arealcli.schema.components.workflows import VerifiersArgs
 

@@ -18,7 +18,7 @@ import torch
 from arealcli.errors import DataError, UserError
 from arealcli.runtime.data.chat import render_prompt, require_template, with_system
 from arealcli.runtime.data.sample import SequenceSample
-from arealcli.runtime.verifiers_configs import import_verifiers, taskset_config
+from arealcli.runtime.data.verifiers_configs import import_verifiers, taskset_config
 from arealcli.schema.components.datasets import VerifiersTasksArgs
 
 TASK = "task"  # meta key: the task's data, as verifiers' TaskData.model_dump(mode="json")
