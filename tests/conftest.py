@@ -312,3 +312,31 @@ def run_in_thread(fn):
     t = threading.Thread(target=target, daemon=True)
     t.start()
     return t, box
+
+
+def train_asynchronously(recipe: dict[str, Any], tmp_path: Path) -> list[dict[str, Any]]:
+    """Train `recipe` with generation on a `local` generator up to 2 policy versions ahead (decoupled PPO,
+    log-linear proximal log-probs) in a process of its own; its metrics.jsonl rows."""
+    import subprocess
+    import sys
+
+    recipe["models"]["actor_gen"] = {
+        "init_from": "actor",
+        "weights_from": "actor",
+        "backend": {"type_": "local", "args": {"device": "cpu"}},
+    }
+    recipe["rollout"] = {"max_staleness": 2}
+    recipe["dataflow"]["actor"].update(
+        use_decoupled_loss=True, prox_logp_method="loglinear", behav_imp_weight_cap=5.0
+    )
+    path = tmp_path / "async.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "arealcli.main", "train", str(path), "-o", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

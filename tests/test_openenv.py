@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO, tiny_module
+from tests.conftest import REPO, tiny_module, train_asynchronously
 
 pytest.importorskip("openenv", reason="openenv-core is not installed (see .ci/run)")
 
@@ -184,27 +184,8 @@ def test_the_openenv_workflow_runs_asynchronously(tmp_path):
     for key in ("dataset", "eval_dataset"):
         recipe[key]["args"]["path"] = str(REPO / "data" / "max3" / Path(recipe[key]["args"]["path"]).name)
     recipe["dataflow"]["actor"]["workflow"]["args"]["app_dir"] = str(REPO / "recipes")
-    recipe["models"]["actor_gen"] = {
-        "init_from": "actor",
-        "weights_from": "actor",
-        "backend": {"type_": "local", "args": {"device": "cpu"}},
-    }
-    recipe["rollout"] = {"max_staleness": 2}
-    recipe["dataflow"]["actor"].update(
-        use_decoupled_loss=True, prox_logp_method="loglinear", behav_imp_weight_cap=5.0
-    )
     recipe["trainer"].update(max_steps=100, eval_every_n_steps=100)
-    path = tmp_path / "async.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    run = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "arealcli.main", "train", str(path), "-o", str(run)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = train_asynchronously(recipe, tmp_path)
     rewards = [r["actor_gen/env/reward"] for r in rows if "actor_gen/env/reward" in r]
     print(f"openenv async: env reward {rewards}")
     assert len(rewards) >= 3 and sum(rewards[-2:]) / 2 > rewards[0], rewards

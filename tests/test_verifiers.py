@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO, tiny_module
+from tests.conftest import REPO, tiny_module, train_asynchronously
 
 pytest.importorskip("verifiers.v1", reason="verifiers is not installed (pip install 'arealcli[verifiers]')")
 
@@ -301,39 +301,19 @@ def test_the_verifiers_quickstart_learns(tmp_path, cli, monkeypatch):
 @pytest.mark.slow
 def test_the_verifiers_workflow_runs_asynchronously(tmp_path):
     """The quickstart with generation on a `local` generator up to 2 steps ahead (decoupled PPO): the
-    episodes run on the rollout thread, no sample is more than 2 versions behind, and the env's reward
-    rises over 30 RL steps."""
-    import subprocess
-    import sys
-
+    episodes run on the rollout thread, no sample is more than 2 versions behind, and over 60 RL steps the
+    env's reward of held-out episodes rises past where SFT left it."""
     recipe = yaml.safe_load((REPO / "recipes" / "verifiers-quickstart.yaml").read_text())
     for key in ("dataset", "eval_dataset"):
         recipe[key]["args"]["taskset_dir"] = str(REPO / "recipes")
     recipe["dataflow"]["actor"]["workflow"]["args"]["env_dir"] = str(REPO / "recipes")
-    recipe["models"]["actor_gen"] = {
-        "init_from": "actor",
-        "weights_from": "actor",
-        "backend": {"type_": "local", "args": {"device": "cpu"}},
-    }
-    recipe["rollout"] = {"max_staleness": 2}
-    recipe["dataflow"]["actor"].update(
-        use_decoupled_loss=True, prox_logp_method="loglinear", behav_imp_weight_cap=5.0
-    )
-    recipe["trainer"].update(max_steps=150, eval_every_n_steps=150, eval_at_start=False)
-    path = tmp_path / "async.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    run = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, "-m", "arealcli.main", "train", str(path), "-o", str(run)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows_ = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    recipe["trainer"].update(max_steps=180, eval_every_n_steps=60, eval_at_start=False)
+    rows_ = train_asynchronously(recipe, tmp_path)
     rewards = [r["actor_gen/env/reward"] for r in rows_ if "actor_gen/env/reward" in r]
-    print(f"verifiers async: env reward {rewards}")
-    assert len(rewards) == 3 and sum(rewards[-2:]) / 2 > rewards[0], rewards
+    held_out = {r["step"]: r["eval/reward/environment"] for r in rows_ if "eval/reward/environment" in r}
+    print(f"verifiers async: env reward {rewards}, held-out {held_out}")
+    # sampled rewards of a few steps vary with the rollout thread's timing; held-out greedy episodes do not
+    assert len(rewards) == 6 and held_out[180] >= held_out[120] + 0.03, held_out
     lag = [r["actor_train/version_lag_max"] for r in rows_ if "actor_train/version_lag_max" in r]
     assert lag and max(lag) <= 2  # no sample more than max_staleness policy versions behind
     assert all(r["actor_gen/env/errors"] == 0 for r in rows_ if "actor_gen/env/errors" in r)

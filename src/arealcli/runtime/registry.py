@@ -72,4 +72,6 @@ def get_reward(name: str):
 def reward_is_binary(name: str) -> bool:
     """Does the reward score every response 0 or 1 (so a mean of it is an accuracy)? (An environment's
     reward, `environment`, is not known to be.)"""
-    return name != "environment" and REWARDS.get(name).binary
+    from arealcli.schema.components.interfaces import ENVIRONMENT
+
+    return name != ENVIRONMENT and REWARDS.get(name).binary

@@ -105,8 +105,9 @@ def evaluate(
 
 def _evaluate(target, batches, plan: EvalPlan, progress) -> list[PromptResult]:
     from arealcli.runtime.registry import get_reward
+    from arealcli.schema.components.interfaces import ENVIRONMENT
 
-    if plan.scorer is None and plan.reward == "environment":  # the environment scored each episode
+    if plan.scorer is None and plan.reward == ENVIRONMENT:  # the environment scored each episode
         reward_fn, extract = None, answer_extractor(plan.reward)
     else:
         reward_fn, extract = plan.scorer or get_reward(plan.reward), answer_extractor(plan.reward)

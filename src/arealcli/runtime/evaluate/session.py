@@ -276,13 +276,13 @@ def _dataset(s: Target, flags: EvalFlags) -> dict[str, Any]:
     }
 
 
-ENVIRONMENT = "environment"  # --reward environment: the workflow's environment scores each episode
 JUDGE = "judge"  # --reward judge: the recipe's judge scores (runtime/evaluate/judge.py)
 
 
 def settings(s: Target, flags: EvalFlags) -> dict[str, Any]:
     """Dataset, reward and generation settings: the flags, else the recipe's, else defaults."""
     from arealcli.runtime.registry import REWARDS
+    from arealcli.schema.components.interfaces import ENVIRONMENT
 
     recipe, actor = s.recipe, _actor_args(s.recipe)
     dataset = _dataset(s, flags)

@@ -18,7 +18,8 @@ from arealcli.schema.registry import (
     WORKFLOWS,
 )
 
-# eval_reward_fn: the environment's reward of each held-out episode (an environment workflow's)
+# eval_reward_fn / `areal eval --reward`: the environment's reward of each held-out episode (an environment
+# workflow's), not a registered reward function
 ENVIRONMENT = "environment"
 
 
