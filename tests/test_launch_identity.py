@@ -301,7 +301,7 @@ def test_the_sglang_wrapper_proves_the_key_and_confines_weight_updates(sglang_st
     (weights / "alias").symlink_to(weights / "step_1", target_is_directory=True)  # even one inside
     (weights / "linked").mkdir()
     (weights / "linked" / "model.safetensors").symlink_to(outside / "model.safetensors")
-    key = fresh_key()
+    key = "-" + fresh_key()  # a key may start with '-' (URL-safe base64): still SGLang's --api-key value
     args = SGLangBackendArgs(launch="sglang", python=sglang_standin, startup_timeout_s=120)
     secrets = {API_KEY_ENV: key, WEIGHTS_DIR_ENV: str(weights)}
     servers = launcher.launch(args, str(weights / "step_1"), tmp_path / "logs", "sgl", secrets=secrets)

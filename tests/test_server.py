@@ -723,4 +723,5 @@ def test_the_sglang_wrapper_passes_the_key_inside_the_process(tmp_path):
         text=True,
         env={**os.environ, "PYTHONPATH": str(tmp_path), "AREAL_API_KEY": "k-1"},
     )
-    assert out.stdout.strip() == "['--port', '1', '--api-key', 'k-1'] None", out.stderr
+    # one argument, so a key that starts with '-' (URL-safe base64 can) is still --api-key's value
+    assert out.stdout.strip() == "['--port', '1', '--api-key=k-1'] None", out.stderr

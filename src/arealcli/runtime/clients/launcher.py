@@ -106,7 +106,7 @@ SGLANG_WITH_KEY = (
     f"import os, runpy, sys; sys.path.insert(0, {str(GUARD_DIR)!r}); import areal_guard; "
     f"key = os.environ.pop('{API_KEY_ENV}', None); "
     f"areal_guard.guard_sglang(key, os.environ.pop('{WEIGHTS_DIR_ENV}', None)); "
-    "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key', key] if key else []); "
+    "sys.argv = ['sglang.launch_server'] + sys.argv[1:] + (['--api-key=' + key] if key else []); "
     "runpy.run_module('sglang.launch_server', run_name='__main__')"
 )
 
