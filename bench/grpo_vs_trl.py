@@ -6,8 +6,9 @@ sides), the same reward function, one optimizer step per batch, no reference mod
 torch threads. Ours is what `areal train recipes/quickstart.yaml` runs after its SFT warm-up:
 actor generate -> reward -> actor train_step.
 
-The two sides alternate step by step (ours runs right after each TRL step, from a TRL callback), so a
-short load spike hits both sides; `other load` says whether the machine was quiet enough to trust.
+The sides alternate step by step (ours runs right after each TRL step, from a TRL callback, then ours
+with `share_prompts` on, which computes each prompt once for its n samples), so a short load spike hits
+all; `other load` says whether the machine was quiet enough to trust.
 
     python bench/grpo_vs_trl.py                       # 8 prompts x 8 x 32 tokens, then 16 x 4 x 64
     python bench/grpo_vs_trl.py --prompts 4 --n 4 --max-new-tokens 16 --steps 3 --warmup 1 --no-second
@@ -34,7 +35,7 @@ CALLS = ("actor_gen", "reward", "actor_train")  # the quickstart's GRPO calls, i
 class Ours:
     """The quickstart's trainer with RL from step 0; `step()` runs and times one GRPO step."""
 
-    def __init__(self, prompts: int, n: int, max_new: int, reward: str, run_dir: Path):
+    def __init__(self, prompts: int, n: int, max_new: int, reward: str, run_dir: Path, share: bool = False):
         from arealcli.runtime.run.trainer import Trainer
         from arealcli.schema.source import apply_overrides, load_recipe_source
         from arealcli.schema.validate import validate
@@ -49,6 +50,7 @@ class Ours:
             "dataflow.actor.n_minibatches=1",  # one optimizer step per step, like TRL's num_iterations=1
             # prompt (14 chars) + completion must fit; RoPE has no weights: no parameter changes
             f"models.actor.config.max_position_embeddings={max(64, max_new + 16)}",
+            f"models.actor.backend.args.share_prompts={str(share).lower()}",
         ]
         recipe = validate(apply_overrides(load_recipe_source(RECIPE), overrides))
         self.trainer = Trainer(recipe, RECIPE.parent, run_dir)
@@ -161,6 +163,8 @@ def run_config(args, prompts: int, n: int, max_new: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         ours = Ours(prompts, n, max_new, args.reward, tmp / "run")
+        # ours with share_prompts on (each prompt computed once for its n samples), in the same run
+        shared = Ours(prompts, n, max_new, args.reward, tmp / "run-shared", share=True)
         actor = ours.trainer.models["actor"]
         actor.module.save_to_hf(actor.tokenizer, str(tmp / "model"))  # initial weights, before any step
         rows = []  # TRL gets our batches' prompts, in our order
@@ -169,11 +173,17 @@ def run_config(args, prompts: int, n: int, max_new: int) -> dict:
             rows += [
                 {"prompt": q, "answers": a} for q, a in zip(meta["prompt"], meta["answers"], strict=True)
             ]
-        trl, rec = trl_trainer(tmp / "model", rows, args, prompts, n, max_new, after_step=ours.step)
+
+        def after_trl_step() -> None:
+            ours.step()
+            shared.step()
+
+        trl, rec = trl_trainer(tmp / "model", rows, args, prompts, n, max_new, after_step=after_trl_step)
         clock = cpu_clock()
-        trl.train()  # TRL step i, then our step i, ...
+        trl.train()  # TRL step i, then our step i, then ours with shared prompts, ...
         others = others_busy(clock, cpu_clock())
         ours.trainer.close()
+        shared.trainer.close()
         for step, got in enumerate(rec["prompts"]):  # the same prompts, each n times, on both sides
             assert sorted(got) == sorted(ours.batch(step).meta["prompt"] * n), f"prompts differ at {step}"
         assert len(ours.times) == len(rec["times"]) == total
@@ -181,6 +191,8 @@ def run_config(args, prompts: int, n: int, max_new: int) -> dict:
     return {
         "config": f"{prompts}p x {n} x {max_new}t",
         "ours": med(ours.times[w:]),
+        "shared": med(shared.times[w:]),
+        "shared_calls": {c: med(s[c] for s in shared.calls[w:]) for c in CALLS},
         "trl": med(rec["times"][w:]),
         "ours_best": min(ours.times[w:]),
         "trl_best": min(rec["times"][w:]),
@@ -215,25 +227,38 @@ def main() -> None:
         f"\ntorch threads {args.threads}, {os.cpu_count()} CPUs;"
         f" {args.steps} timed steps per side after {args.warmup} warm-up, sides alternating"
     )
-    cols = ["config", "ours s/step", "TRL s/step", "TRL/ours", "best ours", "best TRL"]
+    cols = [
+        "config",
+        "ours s/step",
+        "TRL s/step",
+        "TRL/ours",
+        "best ours",
+        "best TRL",
+        "shared",
+        "TRL/shared",
+    ]
     cols += ["tokens ours", "tokens TRL", "other load"]
     head = f"{cols[0]:<14}" + "".join(f"{c:>12}" for c in cols[1:])
     print(head + "\n" + "-" * len(head))
     for r in results:
         tok = lambda t: ",".join(map(str, t))  # noqa: E731
-        nums = (r["ours"], r["trl"], r["trl"] / r["ours"], r["ours_best"], r["trl_best"])
+        nums = (r["ours"], r["trl"], r["trl"] / r["ours"], r["ours_best"], r["trl_best"], r["shared"])
+        nums += (r["trl"] / r["shared"],)
         print(
             f"{r['config']:<14}"
             + "".join(f"{x:>12.3f}" for x in nums)
             + f"{tok(r['ours_tokens']):>12}{tok(r['trl_tokens']):>12}{r['others']:>12}"
         )
+    print("shared: ours with share_prompts on (each prompt prefilled and trained once for its n samples)")
     print("other load: CPU share used by other processes meanwhile; above ~10% the run is not a result")
     print("\nwhere the time goes (median s/step)")
     for r in results:
         c = r["ours_calls"]
         print(
             f"{r['config']:<14} ours: generate {c['actor_gen']:.3f}  reward {c['reward']:.3f}"
-            f"  train {c['actor_train']:.3f} | TRL: generate+decode {r['trl_gen']:.3f}"
+            f"  train {c['actor_train']:.3f} (shared: {r['shared_calls']['actor_gen']:.3f},"
+            f" {r['shared_calls']['actor_train']:.3f})"
+            f" | TRL: generate+decode {r['trl_gen']:.3f}"
             f"  reward+train {r['trl'] - r['trl_gen']:.3f}"
         )
 

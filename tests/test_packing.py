@@ -55,18 +55,24 @@ def test_packed_rows_equal_padded_rows(char_tok, lens, attention):
     module.config._attn_implementation = impl.get(attention, attention)
     assert (packing.varlen_attention(module) == "sdpa") == (attention == "varlen-sdpa")
     batch = batch_of(lens)
-    outs = {}
-    for layout in ("padded", "packed"):
-        out = run_packed(module, batch, CPU, layout=layout)
+    assert_same_forward(module, batch, {"layout": "padded"}, {"layout": "packed"})
+
+
+def assert_same_forward(module, batch: SequenceSample, first: dict, second: dict) -> None:
+    """`run_packed` with keywords `first` and with `second`: the same hidden states, SFT loss and
+    gradients (to float tolerance)."""
+    outs = []
+    for kwargs in (first, second):
+        out = run_packed(module, batch, CPU, **kwargs)
         assert isinstance(out, LMOutput)
         loss, _ = sft_loss(out, batch)
         module.zero_grad()
         loss.backward()
-        outs[layout] = (out.hidden.detach(), loss.detach(), [p.grad.clone() for p in module.parameters()])
-    (h_pad, l_pad, g_pad), (h_pack, l_pack, g_pack) = outs["padded"], outs["packed"]
-    torch.testing.assert_close(h_pack, h_pad, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(l_pack, l_pad, rtol=1e-5, atol=1e-6)
-    for a, b in zip(g_pack, g_pad, strict=True):
+        outs.append((out.hidden.detach(), loss.detach(), [p.grad.clone() for p in module.parameters()]))
+    (h0, l0, g0), (h1, l1, g1) = outs
+    torch.testing.assert_close(h1, h0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g0, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 

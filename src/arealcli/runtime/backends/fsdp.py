@@ -33,11 +33,10 @@ import torch.distributed as dist
 from arealcli.runtime import distributed
 from arealcli.runtime.backends import packing
 from arealcli.runtime.backends.base import ModelBackend
-from arealcli.runtime.backends.hf import run_packed
+from arealcli.runtime.backends.hf import generate_on, run_packed
 from arealcli.runtime.data.sample import SequenceSample
 from arealcli.runtime.engines.lm_output import LMOutput
 from arealcli.runtime.engines.train import TrainEngine, clip_and_step
-from arealcli.runtime.generation import sampling as generation
 from arealcli.runtime.models.lora import (
     adapter_state,
     is_lora,
@@ -112,6 +111,7 @@ class FSDPEngine(TrainEngine):
         architecture: str,
         reshard_after_forward: bool,
         saved: dict[str, str] | None = None,
+        share_prompts: bool = False,
     ):
         from torch.distributed.fsdp import FSDPModule
 
@@ -122,9 +122,10 @@ class FSDPEngine(TrainEngine):
         self.optimizer = build_optimizer(module.parameters(), optimizer_cfg) if optimizer_cfg else None
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]  # same order everywhere
         self.reshard_after_forward = reshard_after_forward
+        self.share_prompts = share_prompts
 
     def run_microbatch(self, mb: SequenceSample) -> torch.Tensor | LMOutput:
-        return run_packed(self.module, mb, self.device)
+        return run_packed(self.module, mb, self.device, share_prompts=self.share_prompts)
 
     def _pad_run(self) -> torch.Tensor:
         """A one-token forward: the collectives of a pass, for ranks with nothing (left) to compute."""
@@ -189,9 +190,7 @@ class FSDPEngine(TrainEngine):
     ):
         # with LoRA the adapters sit inside the base model's layers (all unsharded here): run it directly
         module = self.module.get_base_model() if self.lora else self.module
-        return generation.generate(
-            module, prompts, g, eos_ids, pad_id, self.device, stop_texts=stop_texts, images=images
-        )
+        return generate_on(self, module, prompts, g, eos_ids, pad_id, stop_texts, images)
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
         """Collective: every rank sends its shards; rank 0 writes the HF directory (with LoRA: the merged
@@ -286,7 +285,14 @@ class FSDPBackend(ModelBackend):
         )
         fully_shard(module, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False)
         model.module = FSDPEngine(
-            module, device, a.optimizer, spec.total_train_steps, architecture, a.reshard_after_forward, saved
+            module,
+            device,
+            a.optimizer,
+            spec.total_train_steps,
+            architecture,
+            a.reshard_after_forward,
+            saved,
+            a.share_prompts,
         )
         model.device, model.dtype = device, param_dtype
         return model

@@ -31,22 +31,34 @@ from arealcli.schema.components.engine import GenerationHyperparameters, Optimiz
 from arealcli.schema.registry import TEXT_CAPABILITIES
 
 
-def run_packed(module, mb: SequenceSample, device, layout: str | None = None) -> torch.Tensor | LMOutput:
+def run_packed(
+    module, mb: SequenceSample, device, layout: str | None = None, share_prompts: bool = False
+) -> torch.Tensor | LMOutput:
     """Forward a micro-batch of packed sequences; outputs in packed order (sample 0's tokens, then 1's...).
 
     Language models return an `LMOutput` (final hidden states and the LM head: no (tokens, vocab)
     logits are computed here), or packed logits (tokens, vocab) when the head is not a plain linear
     layer; value-head models return values (tokens,). `layout` (default: `choose_layout`): "packed"
     puts several sequences in each row with per-sequence position ids (block-diagonal causal
-    attention, `backends.packing`), "padded" gives every sequence its own right-padded row.
+    attention, `backends.packing`), "padded" gives every sequence its own right-padded row. With
+    `share_prompts` and no layout asked for, samples with the same prompt (a GRPO group, a preference
+    pair) share one copy of it in a single row (`packing.shared_prompt_row`) where the model attends
+    per sequence by our varlen SDPA: the same outputs for less work (rounded differently).
     """
     lens = mb.seqlens["packed_input_ids"]
-    layout = layout or choose_layout(module, lens)
-    rows = packing.rows_of(lens, layout, packing.row_capacity(module, lens))
     seeing = vision.is_vision(module)
-    batch = packing.build_rows(
-        mb.data["packed_input_ids"], lens, rows, with_positions=layout == "packed" or seeing
-    )
+    rows: list[list[int]] = []
+    batch = None
+    # a value-head model's decoder call takes no position ids: no shared prompts there
+    shares = share_prompts and layout is None and not seeing and packing.takes_position_ids(module)
+    if shares and packing.varlen_attention(module) == "sdpa":
+        batch = shared_prompt_batch(mb)
+    if batch is None:
+        layout = layout or choose_layout(module, lens)
+        rows = packing.rows_of(lens, layout, packing.row_capacity(module, lens))
+        batch = packing.build_rows(
+            mb.data["packed_input_ids"], lens, rows, with_positions=layout == "packed" or seeing
+        )
     head = lm_head(module)
     with capture_head_input(head) as captured:
         kwargs: dict[str, Any] = {}
@@ -54,7 +66,9 @@ def run_packed(module, mb: SequenceSample, device, layout: str | None = None) ->
             kwargs["use_cache"] = False  # a KV cache would also turn off the packed-sequence mask
         if batch.position_ids is not None:
             kwargs["position_ids"] = batch.position_ids.to(device)
-            if packing.varlen_attention(module) == "sdpa" and batch.cu_seqlens:
+            if batch.blocks is not None:
+                kwargs[packing.PREFIX_BLOCKS] = batch.blocks  # prompts shared by their samples
+            elif packing.varlen_attention(module) == "sdpa" and batch.cu_seqlens:
                 kwargs[packing.CU_SEQLENS] = batch.cu_seqlens  # attention within each sequence
         if seeing:
             kwargs.update(vision_inputs(module, mb, batch, rows, device))
@@ -71,6 +85,35 @@ def run_packed(module, mb: SequenceSample, device, layout: str | None = None) ->
         return LMOutput(hidden.flatten(0, 1)[index], weight, bias)
     out = out.logits if hasattr(out, "logits") else out
     return out.flatten(0, 1)[index]
+
+
+def shared_prompt_batch(mb: SequenceSample) -> packing.Rows | None:
+    """The shared-prompt row of a micro-batch whose samples share prompts (the leading run of each
+    sample's `prompt_mask`), or None when none do."""
+    if "prompt_mask" not in mb.data or mb.bs < 2:
+        return None
+    prompt_lens = [int(m.bool().long().cumprod(0).sum()) for m in mb.unpack("prompt_mask")]
+    lens = mb.seqlens["packed_input_ids"]
+    ids = mb.data["packed_input_ids"].cpu()
+    groups = packing.prompt_groups(ids, lens, prompt_lens)
+    if len(groups) == len(lens):
+        return None
+    return packing.shared_prompt_row(ids, lens, prompt_lens, groups)
+
+
+def generate_on(engine, module, prompts, g, eos_ids, pad_id, stop_texts, images):
+    """`generation.generate` on `module` with an engine's device and its `share_prompts` (hf, fsdp)."""
+    return generation.generate(
+        module,
+        prompts,
+        g,
+        eos_ids,
+        pad_id,
+        engine.device,
+        stop_texts=stop_texts,
+        images=images,
+        share_prompts=engine.share_prompts,
+    )
 
 
 def vision_inputs(module, mb: SequenceSample, batch: packing.Rows, rows: list[list[int]], device) -> dict:
@@ -145,9 +188,11 @@ class HFEngine(TrainEngine):
         compute_dtype: torch.dtype,
         optimizer_cfg: OptimizerConfig | None,
         total_train_steps: int,
+        share_prompts: bool = False,
     ):
         self.module: Any = module  # a transformers model, or peft's wrapper of one (duck-typed)
         self.device = device
+        self.share_prompts = share_prompts
         self.compute_dtype = compute_dtype
         self.optimizer_cfg = optimizer_cfg
         self.total_train_steps = total_train_steps
@@ -159,7 +204,7 @@ class HFEngine(TrainEngine):
         return torch.autocast(device_type=self.device.type, dtype=self.compute_dtype)
 
     def run_microbatch(self, mb: SequenceSample) -> torch.Tensor | LMOutput:
-        return run_packed(self.module, mb, self.device)
+        return run_packed(self.module, mb, self.device, share_prompts=self.share_prompts)
 
     def begin_train_step(self, version_steps: int, lr_scale: float) -> float:
         lr = begin_step(self.optimizer, self.optimizer_cfg, self.total_train_steps, version_steps, lr_scale)
@@ -188,9 +233,7 @@ class HFEngine(TrainEngine):
         # with LoRA the adapters sit inside the base model's layers: generate with it directly
         module = self.module.get_base_model() if self.lora else self.module
         with self.autocast():
-            return generation.generate(
-                module, prompts, g, eos_ids, pad_id, self.device, stop_texts=stop_texts, images=images
-            )
+            return generate_on(self, module, prompts, g, eos_ids, pad_id, stop_texts, images)
 
     def save_to_hf(self, tokenizer, save_dir: str) -> None:
         """An HF directory `from_pretrained` loads; with LoRA, the merged weights (base + scaled B A) and
@@ -281,7 +324,7 @@ class HFBackend(ModelBackend):
         if a.lora is not None:
             module = with_lora(module, a.lora, model.seed)
         module = module.to(device)
-        model.module = HFEngine(module, device, dtype, a.optimizer, spec.total_train_steps)
+        model.module = HFEngine(module, device, dtype, a.optimizer, spec.total_train_steps, a.share_prompts)
         model.device, model.dtype = device, dtype
         return model
 

@@ -27,6 +27,8 @@ ROW_TOKENS = 512
 # sequences' boundaries in a packed row to it.
 VARLEN_SDPA = "arealcli_varlen_sdpa"
 CU_SEQLENS = "arealcli_cu_seqlens"
+# The forward keyword that carries a shared-prompt row's blocks to `VARLEN_SDPA` (see `shared_prompt_row`).
+PREFIX_BLOCKS = "arealcli_prefix_blocks"
 
 
 @dataclass
@@ -35,6 +37,8 @@ class Rows:
     position_ids: torch.Tensor | None  # (R, T), restarting at 0 for every sequence; None: 0..T-1
     index: torch.Tensor  # (N,) flat position in (R, T) of each packed token, in packed order
     cu_seqlens: list[int]  # with one packed row: where its sequences start, and its end; else []
+    # a shared-prompt row: its blocks (start, length, prefix start, prefix length); else None
+    blocks: tuple[tuple[int, int, int, int], ...] | None = None
 
 
 def takes_position_ids(module) -> bool:
@@ -83,54 +87,83 @@ def register_varlen_sdpa() -> None:
 
 
 def varlen_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' SDPA attention, or with `CU_SEQLENS` (one packed row) causal SDPA within each
-    sequence: out[:, s:e] = SDPA(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True), run as one
-    batched call per distinct sequence length (the sequences of length L gathered into an (n_L, heads,
-    L, d) batch): no padding, and as few kernel launches as there are lengths, not sequences."""
+    """transformers' SDPA attention, or in one packed row attention within each sequence: with
+    `CU_SEQLENS` causal SDPA per sequence (blocks without a prefix), with `PREFIX_BLOCKS` a
+    shared-prompt row's blocks (`prefix_sdpa`)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.pop(CU_SEQLENS, None)
-    if cu is None:
+    blocks = kwargs.pop(PREFIX_BLOCKS, None)
+    if blocks is None and cu is not None:
+        blocks = tuple((s, e - s, 0, 0) for s, e in zip(cu[:-1], cu[1:], strict=True))
+    if blocks is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    gqa = query.shape[1] != key.shape[1]  # query (1, heads, N, d); key, value (1, kv_heads, N, d)
-    groups, inverse = length_groups(tuple(cu), query.device)
+    return prefix_sdpa(query, key, value, blocks, dropout, scaling), None
+
+
+def prefix_sdpa(query, key, value, blocks, dropout: float, scaling) -> torch.Tensor:
+    """Attention over the blocks of one packed row: each block attends causally to itself after all of
+    its prefix block (a prompt shared by several samples, `shared_prompt_row`); a block without a prefix
+    is a sequence of its own (causal SDPA). One batched call per distinct (length, prefix length): the
+    blocks of that shape gathered into an (n, heads, length, d) batch, so no padding and as few kernel
+    launches as there are shapes; with a prefix the explicit mask [prefix: all | block: causal]."""
+    gqa = query.shape[1] != key.shape[1]
+    groups, inverse = block_groups(tuple(blocks), query.device)
     q, k, v = query[0], key[0], value[0]  # (heads, N, d)
     parts = []
-    for length, n, idx in groups:
-        qg, kg, vg = (x[:, idx].view(x.shape[0], n, length, x.shape[-1]).transpose(0, 1) for x in (q, k, v))
+    for length, prefix, n, q_idx, kv_idx, mask in groups:
+        width = prefix + length
+        qg = q[:, q_idx].view(q.shape[0], n, length, q.shape[-1]).transpose(0, 1)
+        kg, vg = (x[:, kv_idx].view(x.shape[0], n, width, x.shape[-1]).transpose(0, 1) for x in (k, v))
         o = torch.nn.functional.scaled_dot_product_attention(
-            qg, kg, vg, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
+            qg,
+            kg,
+            vg,
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=mask is None,
+            enable_gqa=gqa,
         )  # (n, h, L, d)
         parts.append(o.transpose(0, 1).reshape(q.shape[0], n * length, q.shape[-1]))
-    out = torch.cat(parts, dim=1)[:, inverse]  # (h, N, d) back in packed order
-    return out.transpose(0, 1).unsqueeze(0).contiguous(), None  # (1, N, heads, d)
+    out = torch.cat(parts, dim=1)[:, inverse]  # (h, N, d) back in row order
+    return out.transpose(0, 1).unsqueeze(0).contiguous()  # (1, N, heads, d)
 
 
-_GROUPS: dict = {}
+_BLOCK_GROUPS: dict = {}
 
 
-def length_groups(cu: tuple[int, ...], device) -> tuple[list[tuple[int, int, torch.Tensor]], torch.Tensor]:
-    """The sequences of a packed row (boundaries `cu`) grouped by length: per length L, (L, how many, the
-    packed positions of their tokens, sequence after sequence); and the permutation that puts the
-    concatenated groups back in packed order. Cached: every layer of a forward asks for the same."""
-    key = (cu, str(device))
-    if key not in _GROUPS:
-        by_length: dict[int, list[int]] = {}
-        for s, e in zip(cu[:-1], cu[1:], strict=True):
-            by_length.setdefault(e - s, []).append(s)
+def block_groups(blocks: tuple[tuple[int, int, int, int], ...], device):
+    """The blocks of a shared-prompt row grouped by (length, prefix length): per group (length, prefix,
+    how many, the query positions (n * length,), the key positions (n * (prefix + length),): prefix
+    then block, and the mask (None: causal)); and the permutation back to row order. Cached per row."""
+    cache_key = (blocks, str(device))
+    if cache_key not in _BLOCK_GROUPS:
+        by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for start, length, prefix_start, prefix in blocks:
+            by_shape.setdefault((length, prefix), []).append((start, prefix_start))
         groups = []
-        for length, starts in sorted(by_length.items()):
-            idx = (torch.tensor(starts)[:, None] + torch.arange(length)[None]).reshape(-1)
-            groups.append((length, len(starts), idx.to(device)))
-        order = torch.cat([g[2] for g in groups]) if groups else torch.zeros(0, dtype=torch.long)
+        for (length, prefix), members in sorted(by_shape.items()):
+            starts = torch.tensor([s for s, _ in members])[:, None]
+            q_idx = (starts + torch.arange(length)[None]).reshape(-1)
+            kv = torch.arange(length)[None] + starts
+            mask = None
+            if prefix:
+                kv = torch.cat(
+                    [torch.tensor([p for _, p in members])[:, None] + torch.arange(prefix)[None], kv], 1
+                )
+                causal = torch.ones(length, length, dtype=torch.bool).tril()
+                mask = torch.cat([torch.ones(length, prefix, dtype=torch.bool), causal], 1).to(device)
+            groups.append((length, prefix, len(members), q_idx.to(device), kv.reshape(-1).to(device), mask))
+        order = torch.cat([g[3].cpu() for g in groups]) if groups else torch.zeros(0, dtype=torch.long)
         inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        if len(_GROUPS) > 64:  # one micro-batch's entry is reused by its layers, forward and backward
-            _GROUPS.clear()
-        _GROUPS[key] = (groups, inverse.to(device))
-    return _GROUPS[key]
+        inverse[order] = torch.arange(order.numel())
+        if len(_BLOCK_GROUPS) > 64:  # one micro-batch's entry is reused by its layers, forward and backward
+            _BLOCK_GROUPS.clear()
+        _BLOCK_GROUPS[cache_key] = (groups, inverse.to(device))
+    return _BLOCK_GROUPS[cache_key]
 
 
 def varlen_sdpa_mask(*, attention_mask=None, q_length=0, kv_length=0, q_offset=0, kv_offset=0, **kwargs):
@@ -203,6 +236,64 @@ def build_rows(ids: torch.Tensor, lens: list[int], rows: list[list[int]], with_p
         for i in rows[0]:
             cu.append(cu[-1] + lens[i])
     return Rows(out, pos, index, cu if len(rows) == 1 else [])
+
+
+def prompt_groups(ids: torch.Tensor, lens: list[int], prompt_lens: list[int]) -> list[list[int]]:
+    """The samples grouped by identical prompt (its first `prompt_lens[i]` tokens), groups in order of
+    first appearance; a sample without a prompt is a group of its own."""
+    groups: dict[object, list[int]] = {}
+    start = 0
+    for i, (n, p) in enumerate(zip(lens, prompt_lens, strict=True)):
+        key = (p, ids[start : start + p].numpy().tobytes()) if p else ("alone", i)
+        groups.setdefault(key, []).append(i)
+        start += n
+    return list(groups.values())
+
+
+def shared_prompt_row(
+    ids: torch.Tensor, lens: list[int], prompt_lens: list[int], groups: list[list[int]]
+) -> Rows:
+    """One row in which each prompt a group of samples shares is computed once: [prompt, the rest of
+    sample a, the rest of sample b, ...], the rest of each sample positioned after the prompt (position
+    ids p, p + 1, ...) and attending to the prompt and causally to itself (`prefix_sdpa`). The index
+    maps every packed token to its place in the row, so a prompt token of n samples maps to one place
+    n times: gathering the row's outputs with it gives each sample its full sequence back, and the
+    gradients of the n copies add up in the shared prompt. The math is that of separate sequences (a
+    causal model's outputs on a prompt do not depend on what follows it); only the work is less."""
+    starts = [0]
+    for n in lens[:-1]:
+        starts.append(starts[-1] + n)
+    pieces: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    index = torch.empty(sum(lens), dtype=torch.long)
+    blocks: list[tuple[int, int, int, int]] = []
+    col = 0
+
+    def block(tokens: torch.Tensor, first_position: int, prefix_start: int, prefix: int) -> int:
+        nonlocal col
+        at = col
+        pieces.append(tokens)
+        positions.append(torch.arange(first_position, first_position + tokens.numel()))
+        blocks.append((at, tokens.numel(), prefix_start, prefix))
+        col += tokens.numel()
+        return at
+
+    for group in groups:
+        head, p = group[0], prompt_lens[group[0]]
+        if len(group) == 1 or p == 0:
+            for i in group:
+                at = block(ids[starts[i] : starts[i] + lens[i]], 0, 0, 0)
+                index[starts[i] : starts[i] + lens[i]] = torch.arange(at, at + lens[i])
+            continue
+        prompt_at = block(ids[starts[head] : starts[head] + p], 0, 0, 0)
+        for i in group:
+            index[starts[i] : starts[i] + p] = torch.arange(prompt_at, prompt_at + p)
+            rest = lens[i] - p
+            if rest:
+                at = block(ids[starts[i] + p : starts[i] + lens[i]], p, prompt_at, p)
+                index[starts[i] + p : starts[i] + lens[i]] = torch.arange(at, at + rest)
+    row = torch.cat(pieces)[None]
+    return Rows(row, torch.cat(positions)[None], index, [], tuple(blocks))
 
 
 def computed_positions(module, lens: list[int], layout: str) -> int:

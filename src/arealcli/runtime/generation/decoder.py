@@ -12,6 +12,7 @@ steps, finished rows are dropped), each row at its own position.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -86,6 +87,15 @@ class LeanDecoder:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.key_valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)  # (B, L)
         self.length = 0
+
+    def expanded(self, rows: torch.Tensor) -> LeanDecoder:
+        """A decoder whose row i continues this one's row rows[i] (its cache copied): a prompt prefilled
+        once, then decoded in several rows."""
+        out = copy.copy(self)
+        out.k = [k[rows] for k in self.k]
+        out.v = [v[rows] for v in self.v]
+        out.key_valid = self.key_valid[rows]
+        return out
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -164,11 +164,14 @@ def generate(
     should_abort: Callable[[], bool] | None = None,
     stop_texts: StopTexts | None = None,
     images: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    share_prompts: bool = False,
 ) -> GenerationResult:
     """`should_abort()` is polled before every decode step; when it returns True the samples stop where
     they are (a server aborting requests for a weight update). A sample also ends at the token that
     completes one of `stop_texts`. `images`: a vision-language model's (pixel_values, image_grid_thw)
-    per prompt, whose placeholder tokens the prompts hold (runtime/vision.py)."""
+    per prompt, whose placeholder tokens the prompts hold (runtime/vision.py). `share_prompts`: equal
+    prompts (the n samples of a group) are prefilled once and their cache copied to each sample's row
+    (lean decoder only)."""
     B = len(prompts)
     P = max(len(p) for p in prompts)
     ids = torch.full((B, P), pad_id, dtype=torch.long, device=device)
@@ -188,8 +191,18 @@ def generate(
         dtype = next(module.parameters()).dtype
         if torch.is_autocast_enabled(torch.device(device).type):
             dtype = torch.get_autocast_dtype(torch.device(device).type)
-        lean = lean_decoder.LeanDecoder(module, B, P + g.max_new_tokens, device, dtype)
-        logits = lean.step(ids, pos, attn.bool())
+        firsts: dict[tuple[int, ...], int] = {}
+        rows = [firsts.setdefault(tuple(p), i) for i, p in enumerate(prompts)] if share_prompts else []
+        if images is None and share_prompts and len(firsts) < B:
+            once = sorted(firsts.values())  # each distinct prompt's first row
+            lean = lean_decoder.LeanDecoder(module, len(once), P + g.max_new_tokens, device, dtype)
+            logits = lean.step(ids[once], pos[once], attn[once].bool())
+            slot = {r: j for j, r in enumerate(once)}
+            back = torch.tensor([slot[r] for r in rows], device=device)
+            lean, logits = lean.expanded(back), logits[back]
+        else:
+            lean = lean_decoder.LeanDecoder(module, B, P + g.max_new_tokens, device, dtype)
+            logits = lean.step(ids, pos, attn.bool())
     else:
         # transformers >= 5.2x names the cache argument `cache` (older: `past_key_values`)
         cache_arg = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"

@@ -61,6 +61,13 @@ def share(ids: list[int], index: int, parts: int) -> list[int]:
     return ids[index * len(ids) // parts : (index + 1) * len(ids) // parts]
 
 
+SHARE_PROMPTS = (
+    "Compute a prompt its samples share (a GRPO group, a preference pair) once in training and log-prob "
+    "forwards and prefill it once in generation: the same math for less work (sdpa attention; the float "
+    "rounding differs from runs without it, so their numbers differ in the last bits and RL runs drift apart)."
+)
+
+
 class HFBackendArgs(Placement):
     """The embedded transformers backend: one process, CPU or one GPU."""
 
@@ -78,6 +85,7 @@ class HFBackendArgs(Placement):
     lora: LoraConfig | None = Field(
         None, description="Train low-rank adapters instead of every weight (needs an optimizer)."
     )
+    share_prompts: bool = Field(False, description=SHARE_PROMPTS)
 
     @model_validator(mode="after")
     def _lora_trains(self) -> HFBackendArgs:
@@ -123,6 +131,7 @@ class FSDPBackendArgs(Placement):
     lora: LoraConfig | None = Field(
         None, description="Train low-rank adapters instead of every weight (needs an optimizer)."
     )
+    share_prompts: bool = Field(False, description=SHARE_PROMPTS)
 
     @model_validator(mode="after")
     def _lora_trains(self) -> FSDPBackendArgs:
