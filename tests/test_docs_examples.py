@@ -11,7 +11,7 @@ somewhere in it, `...` standing for any text. An HTML comment on the line before
                                              needs the full run, checked by the test REASON names)
 
 The blocks run in the order of the site's navigation, in one scratch folder holding the repository's
-recipes/ and data/, so a later block uses the run an earlier one trained (`areal chat runs/quickstart`).
+recipes/, data/, examples/ and scripts/, so a later block uses the run an earlier one trained (`areal chat runs/quickstart`).
 """
 
 from __future__ import annotations
@@ -101,14 +101,14 @@ def matches(expected: str, output: str) -> bool:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """A scratch folder that looks like the repository to a user: recipes/, data/, examples/."""
+    """A scratch folder that looks like the repository to a user: recipes/, data/, examples/, scripts/."""
     import shutil
 
     root = tmp_path_factory.mktemp("docs-examples")
     # recipes/ is a copy: a recipe's relative paths (../runs/... of a run an earlier command made) resolve
     # from the recipe's real folder, which must be this one, as in a user's clone
     shutil.copytree(REPO / "recipes", root / "recipes")
-    for name in ("data", "examples"):
+    for name in ("data", "examples", "scripts"):
         (root / name).symlink_to(REPO / name)
     return root
 

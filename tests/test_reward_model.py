@@ -230,6 +230,27 @@ def test_rm_reward_scores_samples_and_the_returns_call_shapes_them(char_tok, tmp
     torch.testing.assert_close(shaped.data["seq_scores"], expected)
     assert (expected.abs() == clip).any() and (expected.abs() < clip).any()  # both branches exercised
 
+    # a truncated answer (no EOS) is text the reward model never saw: no_eos_score replaces its score
+    # before the shaping; the others keep theirs
+    data.data["seq_no_eos_mask"] = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    shaping = {"reward_bias": bias, "reward_scaling": scale, "max_reward_clip": 100.0, "no_eos_score": -3.0}
+    shaped = with_returns(data, shaping=shaping)
+    no_eos = torch.tensor([False, True, False, True])
+    expected = (torch.where(no_eos, torch.tensor(-3.0), rewards) - bias) * scale
+    torch.testing.assert_close(shaped.data["seq_scores"], expected)
+
+
+def test_no_eos_score_and_mask_no_eos_with_zero_are_one_setting():
+    from pydantic import ValidationError
+
+    from arealcli.schema.components.interfaces import RewardShaping
+
+    assert RewardShaping().no_eos_value() is None
+    assert RewardShaping(mask_no_eos_with_zero=True).no_eos_value() == 0.0
+    assert RewardShaping(no_eos_score=-20).no_eos_value() == -20.0
+    with pytest.raises(ValidationError, match="set one of them"):
+        RewardShaping(mask_no_eos_with_zero=True, no_eos_score=-20)
+
 
 # --------------------------------------------------------------------------- recipes and `areal check`
 

@@ -82,10 +82,11 @@ def shaped_scores(
     s: RewardShaping,
     max_new_tokens: int | None,
 ):
-    """(B,) scores after the optional no-EOS zeroing, DAPO overlong penalty, bias/scale/clip."""
+    """(B,) scores after the optional no-EOS score, DAPO overlong penalty, bias/scale/clip."""
     scores = raw.float()
-    if s.mask_no_eos_with_zero:
-        scores = torch.where(no_eos, torch.zeros_like(scores), scores)
+    no_eos_value = s.no_eos_value()
+    if no_eos_value is not None:
+        scores = torch.where(no_eos, torch.full_like(scores, no_eos_value), scores)
     if s.overlong_tokens is not None and max_new_tokens is not None:
         scores = scores + F.overlong_penalty(
             resp_len, max_new_tokens, s.overlong_tokens, s.overlong_penalty_factor

@@ -59,6 +59,11 @@ class RewardShaping(StrictModel):
     reward_scaling: float = Field(1.0, description="Scale of the shaped score.")
     max_reward_clip: float = Field(20.0, gt=0, description="Clip of the shaped score.")
     mask_no_eos_with_zero: bool = Field(False, description="A truncated response (no EOS) scores 0.")
+    no_eos_score: float | None = Field(
+        None,
+        description="The score of a truncated response (no EOS) in place of its reward, before shaping "
+        "(a learned reward model scores text it never saw, such as an answer cut off, at random).",
+    )
     overlong_tokens: int | None = Field(None, gt=0, description="DAPO overlong penalty window (tokens).")
     overlong_penalty_factor: float = Field(
         1.0, ge=0, description="DAPO overlong penalty at the length limit."
@@ -68,6 +73,19 @@ class RewardShaping(StrictModel):
         False, description="Penalize KL in the reward (PPO) instead of in the loss (GRPO)."
     )
     discount: float = Field(1.0, ge=0, le=1, description="GAE gamma.")
+
+    @model_validator(mode="after")
+    def _one_no_eos_score(self) -> RewardShaping:
+        if self.mask_no_eos_with_zero and self.no_eos_score not in (None, 0.0):
+            raise ValueError(
+                f"mask_no_eos_with_zero scores a truncated response 0 and no_eos_score {self.no_eos_score}: "
+                "set one of them"
+            )
+        return self
+
+    def no_eos_value(self) -> float | None:
+        """The score a truncated response gets, or None to keep its reward."""
+        return 0.0 if self.mask_no_eos_with_zero else self.no_eos_score
 
 
 class WorkflowSpec(Abstraction):
