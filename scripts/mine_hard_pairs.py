@@ -62,6 +62,17 @@ def mine(model, tokenizer, rows: list[dict], k: int) -> tuple[list[dict], float]
     return pairs, top1 / max(len(rows), 1)
 
 
+def load(folder: str | Path):
+    """The reward model and tokenizer of a model folder (a checkpoint's reward_model)."""
+    if not Path(folder, "config.json").is_file():
+        raise SystemExit(
+            f"no reward model at {folder}: train it first (areal train recipes/rm-quickstart.yaml)"
+        )
+    hf_logging.disable_progress_bar()
+    model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", default=ROUND1, help="a reward model folder")
@@ -71,13 +82,7 @@ def main() -> None:
     p.add_argument("--out", default="data/arith-pairs-r2/train.jsonl")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    if not Path(a.model, "config.json").is_file():
-        raise SystemExit(
-            f"no reward model at {a.model}: train it first (areal train recipes/rm-quickstart.yaml)"
-        )
-    hf_logging.disable_progress_bar()
-    model = AutoModelForSequenceClassification.from_pretrained(a.model, num_labels=1).eval()
-    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    model, tokenizer = load(a.model)
     mined, top1 = mine(model, tokenizer, read_rows(Path(a.prompts)), a.k)
     print(
         f"{a.model}: the right answer is the top-scored of all {len(ANSWERS)} for {top1:.1%} of {a.prompts}"
