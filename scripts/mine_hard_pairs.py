@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -65,9 +66,9 @@ def mine(model, tokenizer, rows: list[dict], k: int) -> tuple[list[dict], float]
 def load(folder: str | Path):
     """The reward model and tokenizer of a model folder (a checkpoint's reward_model)."""
     if not Path(folder, "config.json").is_file():
-        raise SystemExit(
-            f"no reward model at {folder}: train it first (areal train recipes/rm-quickstart.yaml)"
-        )
+        what = f"no reward model at {folder}: train it first (areal train recipes/rm-quickstart.yaml)"
+        print(what, file=sys.stderr)
+        raise SystemExit(2)
     hf_logging.disable_progress_bar()
     model = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1).eval()
     return model, AutoTokenizer.from_pretrained(folder)

@@ -64,7 +64,9 @@ def main() -> None:
     p.add_argument("--k", type=int, default=3, help="wrong answers mined per prompt and round")
     a = p.parse_args()
     if not 0 < a.until <= 1:
-        raise SystemExit(f"--until {a.until}: a share, in (0, 1]")
+        p.error(f"--until {a.until}: a share, in (0, 1]")
+    if a.max_rounds < 1:
+        p.error(f"--max-rounds {a.max_rounds}: at least 1 (round 1 is the model given)")
     model, pairs = Path(a.first), Path(a.pairs)
     prompts, held_out = read_rows(TRAIN_PROMPTS), read_rows(TEST_PROMPTS)
     for n in range(1, a.max_rounds + 1):

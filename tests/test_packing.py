@@ -76,6 +76,15 @@ def assert_same_forward(module, batch: SequenceSample, first: dict, second: dict
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def assert_same_training(first: tuple[dict, dict], second: tuple[dict, dict]) -> None:
+    """Two training steps' (stats, named parameters) agree: loss, gradient norm and updated weights."""
+    (stats0, params0), (stats1, params1) = first, second
+    assert stats1["loss"] == pytest.approx(stats0["loss"], rel=1e-5)
+    assert stats1["grad_norm"] == pytest.approx(stats0["grad_norm"], rel=1e-4)
+    for name, p in params0.items():
+        torch.testing.assert_close(params1[name], p, rtol=1e-4, atol=1e-6)
+
+
 def padded_engine(engine):
     """The engine forced onto one right-padded row per sequence (the layout before packing)."""
     engine.run_microbatch = lambda mb: run_packed(engine.module, mb, engine.device, layout="padded")
@@ -96,11 +105,7 @@ def test_training_step_packed_equals_padded(char_tok, spec):
         engine = padded_engine(engine) if force_padded else engine
         stats = engine.train_batch(batch, spec, sft_loss, num_answer_tokens, version_steps=0)
         results.append((stats, dict(engine.module.named_parameters())))
-    (pad_stats, pad_params), (stats, params) = results
-    assert stats["loss"] == pytest.approx(pad_stats["loss"], rel=1e-5)
-    assert stats["grad_norm"] == pytest.approx(pad_stats["grad_norm"], rel=1e-4)
-    for name, p in pad_params.items():
-        torch.testing.assert_close(params[name], p, rtol=1e-4, atol=1e-6)
+    assert_same_training(*results)
 
 
 def test_forward_results_come_back_in_input_order(char_tok):
